@@ -1,0 +1,58 @@
+"""Names and codes shared with SQL Server Service Broker."""
+
+from __future__ import annotations
+
+from typing import Final
+
+#: The message type and contract every broker has.
+DEFAULT: Final = "DEFAULT"
+
+#: System message types, spelled as Service Broker spells them.
+END_DIALOG: Final = "http://schemas.microsoft.com/SQL/ServiceBroker/EndDialog"
+ERROR: Final = "http://schemas.microsoft.com/SQL/ServiceBroker/Error"
+DIALOG_TIMER: Final = "http://schemas.microsoft.com/SQL/ServiceBroker/DialogTimer"
+ECHO: Final = "http://schemas.microsoft.com/SQL/ServiceBroker/ServiceEcho"
+SYSTEM_MESSAGE_TYPES: Final = frozenset({END_DIALOG, ERROR, DIALOG_TIMER})
+
+#: Namespace of the XML body of Error messages.
+ERROR_NAMESPACE: Final = "http://schemas.microsoft.com/SQL/ServiceBroker/Error"
+
+#: Error codes the broker itself puts in Error messages (Service Broker's numbers, negated).
+ERR_LIFETIME_EXPIRED: Final = -8489
+ERR_CONTRACT_NOT_SUPPORTED: Final = -8408
+ERR_SERVICE_NOT_FOUND: Final = -8470
+ERR_MESSAGE_INVALID: Final = -9615
+ERR_HOPS_EXCEEDED: Final = -8492
+
+#: Consecutive rolled-back receiving transactions that disable a queue.
+POISON_THRESHOLD: Final = 5
+
+#: The route every broker starts with: any service, delivered locally when it is hosted here.
+AUTO_CREATED_LOCAL: Final = "AutoCreatedLocal"
+
+#: Conversation endpoint states (sys.conversation_endpoints.state) and their descriptions.
+STATE_DESC: Final = {
+    "SO": "STARTED_OUTBOUND",
+    "SI": "STARTED_INBOUND",
+    "CO": "CONVERSING",
+    "DI": "DISCONNECTED_INBOUND",
+    "DO": "DISCONNECTED_OUTBOUND",
+    "ER": "ERROR",
+    "CD": "CLOSED",
+}
+#: States in which the local side may still SEND.
+SENDABLE_STATES: Final = frozenset({"SO", "SI", "CO"})
+
+#: Message status values of the RECEIVE ``status`` column.
+STATUS_RECEIVED: Final = 0  # received, kept because the queue has retention on
+STATUS_READY: Final = 1
+STATUS_NOT_COMPLETE: Final = 2  # arrived out of order; waits for the gap to fill
+STATUS_RETAINED_SENT: Final = 3  # a copy of a message this side sent, kept by retention
+
+#: Within one dialog a receiver sees DialogTimer first, then Error, then the rest in order.
+PRECEDENCE_TIMER: Final = 0
+PRECEDENCE_ERROR: Final = 1
+PRECEDENCE_NORMAL: Final = 2
+
+VALIDATIONS: Final = ("none", "empty", "json", "json_schema", "well_formed_xml")
+SENT_BY: Final = ("initiator", "target", "any")

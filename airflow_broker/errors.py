@@ -1,0 +1,40 @@
+"""Errors raised by the broker.
+
+Every error names the object it is about and says what was wrong, so that a log line alone is
+enough to act on. All subclass :class:`BrokerError`; each also subclasses the builtin that best
+describes it, so generic ``except LookupError`` / ``except ValueError`` code keeps working.
+"""
+
+from __future__ import annotations
+
+
+class BrokerError(Exception):
+    """Base class of every error raised by airflow-broker."""
+
+
+class UnknownObject(BrokerError, LookupError):
+    """A named object (queue, service, contract, message type, route, conversation...) does not exist."""
+
+
+class ObjectExists(BrokerError):
+    """CREATE of an object whose name is already taken."""
+
+
+class InvalidDefinition(BrokerError, ValueError):
+    """A definition or argument is malformed or inconsistent (bad validation kind, bad schema...)."""
+
+
+class ContractViolation(BrokerError):
+    """A SEND of a message type the contract does not allow this side of the dialog to send."""
+
+
+class MessageValidationError(BrokerError, ValueError):
+    """A message body does not satisfy the validation of its message type."""
+
+
+class ConversationEnded(BrokerError):
+    """The conversation has ended, errored or expired: nothing more may be sent on it."""
+
+
+class QueueDisabled(BrokerError):
+    """RECEIVE from a queue whose status is off (by an operator, or by poison-message handling)."""

@@ -1,0 +1,194 @@
+"""Value objects the broker hands out: received messages, conversation endpoints, catalog rows.
+
+All are frozen dataclasses: a caller may keep them, pass them to another thread or turn them into
+XCom-safe dicts with :func:`dataclasses.asdict`, and nothing they do changes the database.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+from xml.etree import ElementTree
+
+from airflow_broker.constants import ERROR, ERROR_NAMESPACE, STATE_DESC
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message as RECEIVE returns it (the columns of a Service Broker RECEIVE)."""
+
+    status: int
+    priority: int
+    queuing_order: int
+    conversation_group_id: uuid.UUID
+    conversation_handle: uuid.UUID
+    message_sequence_number: int
+    service_name: str
+    service_contract_name: str
+    message_type_name: str
+    validation: str
+    message_body: bytes | None
+
+    def text(self) -> str | None:
+        """The body decoded as UTF-8, or None for a message without a body."""
+        return None if self.message_body is None else self.message_body.decode("utf-8")
+
+    def json(self) -> Any:
+        """The body parsed as JSON (None for a message without a body)."""
+        return None if self.message_body is None else json.loads(self.message_body)
+
+    @property
+    def error(self) -> tuple[int, str] | None:
+        """``(code, description)`` for a Service Broker Error message, else None."""
+        if self.message_type_name != ERROR or self.message_body is None:
+            return None
+        return parse_error_body(self.message_body)
+
+
+def error_body(code: int, description: str) -> bytes:
+    """The XML body of an Error message, in Service Broker's format."""
+    root = ElementTree.Element("Error", xmlns=ERROR_NAMESPACE)
+    ElementTree.SubElement(root, "Code").text = str(code)
+    ElementTree.SubElement(root, "Description").text = description
+    return ElementTree.tostring(root, encoding="utf-8", xml_declaration=True)
+
+
+def parse_error_body(body: bytes) -> tuple[int, str]:
+    """Inverse of :func:`error_body`."""
+    root = ElementTree.fromstring(body)
+    ns = {"e": ERROR_NAMESPACE}
+    code = root.findtext("e:Code", default="0", namespaces=ns)
+    description = root.findtext("e:Description", default="", namespaces=ns)
+    return int(code), description
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationEndpoint:
+    """One side of a dialog (a row of Service Broker's ``sys.conversation_endpoints``)."""
+
+    conversation_handle: uuid.UUID
+    conversation_id: uuid.UUID
+    conversation_group_id: uuid.UUID
+    is_initiator: bool
+    service_name: str
+    far_service: str
+    far_broker_instance: str | None
+    contract_name: str
+    state: str
+    lifetime: datetime | None
+    send_sequence: int
+    receive_sequence: int
+    priority: int
+    queue_name: str
+    timer_due_at: datetime | None = None
+
+    @property
+    def state_desc(self) -> str:
+        return STATE_DESC[self.state]
+
+
+@dataclass(frozen=True, slots=True)
+class MessageTypeDef:
+    name: str
+    validation: str
+    json_schema: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ContractDef:
+    name: str
+    #: message type name -> "initiator" | "target" | "any"
+    message_types: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueDef:
+    name: str
+    status: bool
+    retention: bool
+    poison_message_handling: bool
+    activation: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceDef:
+    name: str
+    queue: str
+    contracts: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDef:
+    name: str
+    service_name: str | None
+    broker_instance: str | None
+    address: str
+    mirror_address: str | None
+    expires_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityDef:
+    name: str
+    contract: str | None
+    local_service: str | None
+    remote_service: str | None
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class Catalog:
+    """Every object declared in one broker database, by name."""
+
+    message_types: dict[str, MessageTypeDef]
+    contracts: dict[str, ContractDef]
+    queues: dict[str, QueueDef]
+    services: dict[str, ServiceDef]
+    routes: dict[str, RouteDef]
+    priorities: dict[str, PriorityDef]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatus:
+    """What an operator needs to see of a queue at a glance."""
+
+    name: str
+    status: bool
+    depth: int
+    oldest_enqueued_at: datetime | None
+    oldest_age_seconds: float | None
+    groups_ready: int
+    rollback_count: int
+    poison_message_handling: bool
+    retention: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TransmissionRow:
+    """A message waiting in the transmission queue, with why it has not gone yet."""
+
+    id: int
+    conversation_handle: uuid.UUID
+    to_service_name: str
+    to_broker_instance: str | None
+    service_contract_name: str
+    message_type_name: str
+    message_sequence_number: int
+    enqueued_at: datetime
+    transmission_status: str
+    attempts: int
+    next_attempt_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerEvent:
+    """Something the broker did on its own (a queue disabled by poison handling...)."""
+
+    id: int
+    occurred_at: datetime
+    event: str
+    object_name: str
+    detail: str

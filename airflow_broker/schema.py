@@ -1,0 +1,316 @@
+"""The broker's tables, in SQLAlchemy Core.
+
+One :class:`~sqlalchemy.MetaData` with a naming convention, so that constraint names are the same
+on every engine and Alembic can compare a migrated database with a fresh ``create_all``. Every
+table is prefixed ``broker_``: in production they sit in the same PostgreSQL database as Airflow's
+own metadata and must never collide with it.
+
+Timestamps are timezone-aware UTC. Names of broker objects are up to 256 characters, as in
+Service Broker (service names are often URIs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    SmallInteger,
+    String,
+    Table,
+    Text,
+    Uuid,
+    text,
+)
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.schema import CreateTable
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+NAME = String(256)
+# SQLite only auto-increments an INTEGER PRIMARY KEY (the rowid alias), never a BIGINT one.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+Timestamp = DateTime(timezone=True)
+
+
+@compiles(CreateTable, "postgresql")
+def _create_unlogged(create: CreateTable, compiler: Any, **kw: Any) -> str:
+    """Tables marked ``info={"unlogged": True}`` hold nothing that must survive a server crash."""
+    sql: str = compiler.visit_create_table(create, **kw)
+    if create.element.info.get("unlogged"):
+        sql = sql.replace("CREATE TABLE", "CREATE UNLOGGED TABLE", 1)
+    return sql
+
+
+broker_instance = Table(
+    "broker_instance",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("instance_id", String(36), nullable=False),
+    Column("forwarding", Boolean, nullable=False, server_default=text("false")),
+    Column("created_at", Timestamp, nullable=False),
+    comment="One row: this broker database's identity (service_broker_guid) and settings.",
+)
+
+message_type = Table(
+    "broker_message_type",
+    metadata,
+    Column("name", NAME, primary_key=True),
+    Column("validation", String(20), nullable=False),
+    Column("json_schema", JSON, nullable=True),
+    Column("created_at", Timestamp, nullable=False),
+)
+
+contract = Table(
+    "broker_contract",
+    metadata,
+    Column("name", NAME, primary_key=True),
+    Column("created_at", Timestamp, nullable=False),
+)
+
+contract_message = Table(
+    "broker_contract_message",
+    metadata,
+    Column(
+        "contract_name", NAME, ForeignKey("broker_contract.name", ondelete="CASCADE"), nullable=False
+    ),
+    Column(
+        "message_type_name", NAME, ForeignKey("broker_message_type.name"), nullable=False
+    ),
+    Column("sent_by", String(10), nullable=False),
+    PrimaryKeyConstraint("contract_name", "message_type_name"),
+)
+
+queue = Table(
+    "broker_queue",
+    metadata,
+    Column("queue_id", Integer, primary_key=True, autoincrement=True),
+    Column("name", NAME, nullable=False, unique=True),
+    Column("status", Boolean, nullable=False),
+    Column("retention", Boolean, nullable=False),
+    Column("poison_message_handling", Boolean, nullable=False),
+    Column("activation", JSON, nullable=True),
+    Column("rollback_count", Integer, nullable=False, server_default=text("0")),
+    Column("created_at", Timestamp, nullable=False),
+    Column("modified_at", Timestamp, nullable=False),
+)
+
+service = Table(
+    "broker_service",
+    metadata,
+    Column("name", NAME, primary_key=True),
+    Column("queue_id", Integer, ForeignKey("broker_queue.queue_id"), nullable=False),
+    Column("created_at", Timestamp, nullable=False),
+)
+
+service_contract = Table(
+    "broker_service_contract",
+    metadata,
+    Column(
+        "service_name", NAME, ForeignKey("broker_service.name", ondelete="CASCADE"), nullable=False
+    ),
+    Column("contract_name", NAME, ForeignKey("broker_contract.name"), nullable=False),
+    PrimaryKeyConstraint("service_name", "contract_name"),
+)
+
+route = Table(
+    "broker_route",
+    metadata,
+    Column("name", NAME, primary_key=True),
+    Column("service_name", NAME, nullable=True),
+    Column("broker_instance", String(36), nullable=True),
+    Column("address", String(512), nullable=False),
+    Column("mirror_address", String(512), nullable=True),
+    Column("expires_at", Timestamp, nullable=True),
+    Column("created_at", Timestamp, nullable=False),
+)
+
+priority = Table(
+    "broker_priority",
+    metadata,
+    Column("name", NAME, primary_key=True),
+    Column("contract_name", NAME, nullable=True),
+    Column("local_service", NAME, nullable=True),
+    Column("remote_service", NAME, nullable=True),
+    Column("priority", SmallInteger, nullable=False),
+)
+
+conversation_group = Table(
+    "broker_conversation_group",
+    metadata,
+    Column("conversation_group_id", Uuid, primary_key=True),
+    Column(
+        "queue_id",
+        Integer,
+        ForeignKey("broker_queue.queue_id", ondelete="CASCADE"),
+        nullable=False,
+        index=True,
+    ),
+    comment="The unit of locking: RECEIVE locks one row here until its transaction ends.",
+)
+
+conversation_endpoint = Table(
+    "broker_conversation_endpoint",
+    metadata,
+    Column("conversation_handle", Uuid, primary_key=True),
+    Column("conversation_id", Uuid, nullable=False),
+    Column("is_initiator", Boolean, nullable=False),
+    Column(
+        "conversation_group_id",
+        Uuid,
+        ForeignKey("broker_conversation_group.conversation_group_id", ondelete="CASCADE"),
+        nullable=False,
+        index=True,
+    ),
+    Column("queue_id", Integer, nullable=False),
+    Column("service_name", NAME, nullable=False),
+    Column("far_service", NAME, nullable=False),
+    Column("far_broker_instance", String(36), nullable=True),
+    Column("far_handle", Uuid, nullable=True),
+    Column("contract_name", NAME, nullable=False),
+    Column("state", String(2), nullable=False),
+    Column("priority", SmallInteger, nullable=False),
+    Column("lifetime", Timestamp, nullable=True),
+    Column("timer_due_at", Timestamp, nullable=True),
+    Column("send_sequence", BigInteger, nullable=False, server_default=text("0")),
+    Column("receive_sequence", BigInteger, nullable=False, server_default=text("0")),
+    Column("created_at", Timestamp, nullable=False),
+    Column("closed_at", Timestamp, nullable=True),
+    Index(
+        "uq_broker_conversation_endpoint_conversation_id_is_initiator",
+        "conversation_id",
+        "is_initiator",
+        unique=True,
+    ),
+    Index(
+        "ix_broker_conversation_endpoint_timer_due_at",
+        "timer_due_at",
+        postgresql_where=text("timer_due_at IS NOT NULL"),
+        sqlite_where=text("timer_due_at IS NOT NULL"),
+    ),
+    Index(
+        "ix_broker_conversation_endpoint_lifetime",
+        "lifetime",
+        postgresql_where=text("lifetime IS NOT NULL AND state NOT IN ('ER', 'CD')"),
+        sqlite_where=text("lifetime IS NOT NULL AND state NOT IN ('ER', 'CD')"),
+    ),
+)
+
+message = Table(
+    "broker_message",
+    metadata,
+    Column("queuing_order", BigId, primary_key=True, autoincrement=True),
+    Column(
+        "queue_id",
+        Integer,
+        ForeignKey("broker_queue.queue_id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("conversation_group_id", Uuid, nullable=False),
+    Column(
+        "conversation_handle",
+        Uuid,
+        ForeignKey("broker_conversation_endpoint.conversation_handle", ondelete="CASCADE"),
+        nullable=False,
+        index=True,
+    ),
+    Column("message_sequence_number", BigInteger, nullable=False),
+    Column("status", SmallInteger, nullable=False),
+    Column("priority", SmallInteger, nullable=False),
+    Column("precedence", SmallInteger, nullable=False),
+    Column("service_name", NAME, nullable=False),
+    Column("service_contract_name", NAME, nullable=False),
+    Column("message_type_name", NAME, nullable=False),
+    Column("validation", String(1), nullable=False),
+    Column("message_body", LargeBinary, nullable=True),
+    Column("enqueued_at", Timestamp, nullable=False),
+    # RECEIVE picks the highest-priority, oldest ready message whose group is not locked.
+    Index(
+        "ix_broker_message_ready",
+        "queue_id",
+        text("priority DESC"),
+        "queuing_order",
+        postgresql_where=text("status = 1"),
+        sqlite_where=text("status = 1"),
+    ),
+    # ... then takes the ready messages of that one group.
+    Index("ix_broker_message_group", "conversation_group_id", "status"),
+    comment="The contents of every queue.",
+)
+
+transmission_queue = Table(
+    "broker_transmission_queue",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column(
+        "conversation_handle",
+        Uuid,
+        ForeignKey("broker_conversation_endpoint.conversation_handle", ondelete="CASCADE"),
+        nullable=False,
+        index=True,
+    ),
+    Column("conversation_id", Uuid, nullable=False),
+    Column("is_initiator", Boolean, nullable=False),
+    Column("from_service_name", NAME, nullable=False),
+    Column("from_broker_instance", String(36), nullable=False),
+    Column("to_service_name", NAME, nullable=False),
+    Column("to_broker_instance", String(36), nullable=True),
+    Column("service_contract_name", NAME, nullable=False),
+    Column("message_type_name", NAME, nullable=False),
+    Column("message_sequence_number", BigInteger, nullable=False),
+    Column("priority", SmallInteger, nullable=False),
+    Column("validation", String(1), nullable=False),
+    Column("message_body", LargeBinary, nullable=True),
+    Column("lifetime", Timestamp, nullable=True),
+    Column("enqueued_at", Timestamp, nullable=False),
+    Column("transmission_status", Text, nullable=False, server_default=text("''")),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("next_attempt_at", Timestamp, nullable=True),
+    Index("ix_broker_transmission_queue_next_attempt_at", "next_attempt_at"),
+    comment="Messages waiting to leave for a service this broker does not host (or cannot reach).",
+)
+
+event = Table(
+    "broker_event",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("occurred_at", Timestamp, nullable=False),
+    Column("event", String(64), nullable=False),
+    Column("object_name", NAME, nullable=False),
+    Column("detail", Text, nullable=False),
+    Index("ix_broker_event_occurred_at", "occurred_at"),
+    comment="What the broker did on its own: queues disabled by poison handling, and so on.",
+)
+
+receive_lease = Table(
+    "broker_receive_lease",
+    metadata,
+    Column("lease_key", Integer, primary_key=True, autoincrement=False),
+    Column("queue_id", Integer, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("started_at", Timestamp, nullable=False),
+    info={"unlogged": True},
+    comment=(
+        "One row per open transaction that has received messages (PostgreSQL). The holder keeps an "
+        "advisory lock on lease_key; a row whose lock is free belongs to a transaction that ended "
+        "without committing, which poison handling counts as a rollback."
+    ),
+)

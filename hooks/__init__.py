@@ -1,0 +1,1 @@
+"""Airflow-facing hooks of airflow-broker (installed as `airflow_broker.hooks`)."""

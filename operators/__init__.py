@@ -1,0 +1,1 @@
+"""Airflow-facing operators of airflow-broker (installed as `airflow_broker.operators`)."""

@@ -1,0 +1,1 @@
+"""Airflow-facing sensors of airflow-broker (installed as `airflow_broker.sensors`)."""

@@ -1,0 +1,139 @@
+"""Fixtures shared by every test.
+
+``broker`` is parametrized over both engines: every API test runs on SQLite and on PostgreSQL.
+PostgreSQL is required, never skipped: ``BROKER_TEST_POSTGRES_URL`` names the server
+(default ``postgresql+psycopg://postgres@127.0.0.1:5432/postgres``); a missing server fails the
+run. Each test gets a fresh database cloned from a migrated template (``CREATE DATABASE ...
+TEMPLATE``), which costs a few milliseconds instead of a migration.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, make_url, text
+from sqlalchemy.engine import URL
+
+from airflow_broker import Broker
+
+POSTGRES_URL = os.environ.get(
+    "BROKER_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+TEMPLATE_DB = f"broker_test_template_{os.getpid()}"
+
+
+def _admin_url() -> URL:
+    url = make_url(POSTGRES_URL)
+    if url.drivername in ("postgresql", "postgres"):
+        url = url.set(drivername="postgresql+psycopg")
+    return url
+
+
+class PostgresServer:
+    """Creates and drops throw-away databases on the test server."""
+
+    def __init__(self) -> None:
+        self.admin_url = _admin_url()
+        self._admin = create_engine(self.admin_url, isolation_level="AUTOCOMMIT", pool_size=1)
+        self._template_ready = False
+        self._created: list[str] = []
+
+    def check(self) -> None:
+        try:
+            with self._admin.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        except Exception as exc:  # pragma: no cover - the message is the point
+            raise RuntimeError(
+                f"PostgreSQL is required by the test suite and did not answer at "
+                f"{self.admin_url.render_as_string(hide_password=True)}: {exc}. Start it, or set "
+                f"BROKER_TEST_POSTGRES_URL (the README's `make test` starts the local one)."
+            ) from exc
+
+    def url_for(self, dbname: str) -> str:
+        return self.admin_url.set(database=dbname).render_as_string(hide_password=False)
+
+    def _drop(self, conn, dbname: str) -> None:  # type: ignore[no-untyped-def]
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'))
+
+    def template(self) -> str:
+        if not self._template_ready:
+            with self._admin.connect() as conn:
+                self._drop(conn, TEMPLATE_DB)
+                conn.execute(text(f'CREATE DATABASE "{TEMPLATE_DB}"'))
+            b = Broker.connect(self.url_for(TEMPLATE_DB))
+            b.migrate()
+            b.dispose()
+            self._template_ready = True
+        return TEMPLATE_DB
+
+    def create_database(self, *, migrated: bool = True, name: str | None = None) -> str:
+        dbname = name or f"broker_test_{uuid.uuid4().hex[:12]}"
+        with self._admin.connect() as conn:
+            self._drop(conn, dbname)
+            if migrated:
+                conn.execute(text(f'CREATE DATABASE "{dbname}" TEMPLATE "{self.template()}"'))
+            else:
+                conn.execute(text(f'CREATE DATABASE "{dbname}"'))
+        self._created.append(dbname)
+        return self.url_for(dbname)
+
+    def drop_all(self) -> None:
+        with self._admin.connect() as conn:
+            for dbname in [*self._created, TEMPLATE_DB]:
+                self._drop(conn, dbname)
+        self._admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    server = PostgresServer()
+    server.check()
+    yield server
+    server.drop_all()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def broker_url(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[str]:
+    """A URL of a fresh, migrated broker database on each engine."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'broker.db'}"
+        b = Broker.connect(url)
+        b.migrate()
+        b.dispose()
+        yield url
+    else:
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        yield server.create_database()
+
+
+@pytest.fixture
+def broker(broker_url: str) -> Iterator[Broker]:
+    """A migrated :class:`Broker` on a fresh database, SQLite or PostgreSQL."""
+    b = Broker.connect(broker_url)
+    yield b
+    b.dispose()
+
+
+@pytest.fixture
+def pg_url(postgres_server: PostgresServer) -> str:
+    """A fresh, migrated PostgreSQL broker database (for PostgreSQL-only tests)."""
+    return postgres_server.create_database()
+
+
+@pytest.fixture
+def pg_broker(pg_url: str) -> Iterator[Broker]:
+    b = Broker.connect(pg_url)
+    yield b
+    b.dispose()
+
+
+@pytest.fixture
+def make_pg_database(postgres_server: PostgresServer) -> Callable[..., str]:
+    """Factory of further fresh PostgreSQL databases: ``make_pg_database(migrated=False)``."""
+    return postgres_server.create_database
