@@ -90,11 +90,12 @@ contract_message = Table(
     "broker_contract_message",
     metadata,
     Column(
-        "contract_name", NAME, ForeignKey("broker_contract.name", ondelete="CASCADE"), nullable=False
+        "contract_name",
+        NAME,
+        ForeignKey("broker_contract.name", ondelete="CASCADE"),
+        nullable=False,
     ),
-    Column(
-        "message_type_name", NAME, ForeignKey("broker_message_type.name"), nullable=False
-    ),
+    Column("message_type_name", NAME, ForeignKey("broker_message_type.name"), nullable=False),
     Column("sent_by", String(10), nullable=False),
     PrimaryKeyConstraint("contract_name", "message_type_name"),
 )
@@ -306,11 +307,12 @@ receive_lease = Table(
     Column("lease_key", Integer, primary_key=True, autoincrement=False),
     Column("queue_id", Integer, nullable=False),
     Column("pid", Integer, nullable=False),
+    Column("backend_start", Timestamp, nullable=True),
     Column("started_at", Timestamp, nullable=False),
     info={"unlogged": True},
     comment=(
-        "One row per open transaction that has received messages (PostgreSQL). The holder keeps an "
-        "advisory lock on lease_key; a row whose lock is free belongs to a transaction that ended "
-        "without committing, which poison handling counts as a rollback."
+        "One row per open transaction that has received messages (PostgreSQL), written outside "
+        "that transaction and deleted by its commit. A row whose server backend (pid) is gone "
+        "belongs to a reader that died holding messages: poison handling counts it as a rollback."
     ),
 )

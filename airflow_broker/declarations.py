@@ -1,0 +1,970 @@
+"""Declarations files: broker objects described in YAML, checked as a whole, applied at once.
+
+``airflow-broker apply FILE`` reads a file in the format documented in ``docs/declarations.md``.
+Three steps, each a function here:
+
+1. :func:`parse` turns the text into :class:`Declarations`, collecting every structural problem
+   (types, unknown keys, missing keys, duplicate names) with the line it is on. It walks the YAML
+   node tree (``SafeLoader`` composition) rather than loaded Python values, because only nodes
+   keep their marks, and because a plain load silently keeps the last of two equal keys.
+2. :func:`plan` compares the declarations with the database's
+   :class:`~airflow_broker.objects.Catalog`: references that resolve neither in the file nor in
+   the database, and objects that exist with another definition that cannot be changed in place,
+   are more problems; everything else becomes a :class:`Change` (create, alter, replace or
+   unchanged).
+3. :func:`apply_plan` runs the changes against a ``broker.definitions()`` transaction, in
+   dependency order, so that the whole file lands or nothing does.
+
+Nothing here opens a database: the caller hands in the catalog and the transaction.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar
+
+import yaml
+
+from airflow_broker.activation import Activation
+from airflow_broker.constants import SENT_BY, VALIDATIONS
+from airflow_broker.errors import InvalidDefinition
+from airflow_broker.objects import Catalog
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+#: The version of the file format this module reads (the optional top-level ``version`` key).
+FORMAT_VERSION: Final = 1
+
+#: The sections of a file, in the order their objects are created (each may name the ones before).
+SECTIONS: Final = ("message_types", "contracts", "queues", "services", "routes", "priorities")
+
+#: How each section's objects are called in messages.
+KIND: Final = {
+    "message_types": "message type",
+    "contracts": "contract",
+    "queues": "queue",
+    "services": "service",
+    "routes": "route",
+    "priorities": "priority",
+}
+
+#: Settings of the broker itself, under the top-level ``broker`` key. Reserved: forwarding is
+#: switched on by the forwarding issue; until the engine can do it, a file that sets it is refused.
+BROKER_SETTINGS: Final = ("forwarding",)
+
+#: Longest object name (``schema.NAME``) and address (``broker_route.address``).
+MAX_NAME: Final = 256
+MAX_ADDRESS: Final = 512
+
+#: A route's address: LOCAL, TRANSPORT, or another broker database by logical name.
+ADDRESS_KEYWORDS: Final = ("LOCAL", "TRANSPORT")
+BROKER_ADDRESS: Final = re.compile(r"^broker://[A-Za-z0-9_.\-]+$")
+
+_STR: Final = "tag:yaml.org,2002:str"
+_BOOL: Final = "tag:yaml.org,2002:bool"
+_INT: Final = "tag:yaml.org,2002:int"
+_NULL: Final = "tag:yaml.org,2002:null"
+
+
+# --------------------------------------------------------------------------------------------
+# What a file declares
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with a file, and the line it is on (None: the file as a whole)."""
+
+    line: int | None
+    message: str
+
+    def format(self, filename: str) -> str:
+        where = filename if self.line is None else f"{filename}:{self.line}"
+        return f"{where}: {self.message}"
+
+
+class DeclarationsInvalid(InvalidDefinition):
+    """A declarations file has problems; nothing of it was applied."""
+
+    def __init__(self, filename: str, problems: Sequence[Problem]) -> None:
+        self.filename = filename
+        self.problems = sorted(problems, key=lambda p: (p.line or 0, p.message))
+        count = len(self.problems)
+        super().__init__(
+            f"{filename}: {count} problem{'s' if count != 1 else ''}; nothing was applied"
+        )
+
+    def lines(self) -> list[str]:
+        """Every problem as ``FILE:LINE: message``, in file order."""
+        return [p.format(self.filename) for p in self.problems]
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A name that must resolve to an object of ``section`` declared in the file or the database."""
+
+    section: str
+    name: str
+    line: int
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class MessageTypeDecl:
+    name: str
+    line: int
+    validation: str = "none"
+    json_schema: dict[str, Any] | None = None
+
+    @property
+    def refs(self) -> tuple[Ref, ...]:
+        return ()
+
+
+@dataclass(frozen=True, slots=True)
+class ContractDecl:
+    name: str
+    line: int
+    #: message type name -> "initiator" | "target" | "any"
+    message_types: dict[str, str] = field(default_factory=dict)
+    refs: tuple[Ref, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class QueueDecl:
+    name: str
+    line: int
+    #: Only the settings the file gives (an existing queue keeps the others as they are);
+    #: ``activation`` is normalized to ``Activation.to_dict()`` or None.
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def refs(self) -> tuple[Ref, ...]:
+        return ()
+
+    def create_settings(self) -> dict[str, Any]:
+        """The settings of a new queue: the file's, over the defaults of ``create_queue``."""
+        return {**QUEUE_DEFAULTS, **self.settings}
+
+
+QUEUE_DEFAULTS: Final[Mapping[str, Any]] = {
+    "status": True,
+    "retention": False,
+    "poison_message_handling": True,
+    "activation": None,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceDecl:
+    name: str
+    line: int
+    queue: str
+    contracts: tuple[str, ...] = ()
+    refs: tuple[Ref, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecl:
+    name: str
+    line: int
+    service_name: str | None = None
+    broker_instance: str | None = None
+    address: str = "LOCAL"
+    mirror_address: str | None = None
+    lifetime_seconds: int | None = None
+
+    @property
+    def refs(self) -> tuple[Ref, ...]:
+        return ()
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityDecl:
+    name: str
+    line: int
+    contract: str | None = None
+    local_service: str | None = None
+    remote_service: str | None = None
+    priority: int = 5
+    refs: tuple[Ref, ...] = ()
+
+
+Decl = MessageTypeDecl | ContractDecl | QueueDecl | ServiceDecl | RouteDecl | PriorityDecl
+_D = TypeVar("_D", MessageTypeDecl, ContractDecl, QueueDecl, ServiceDecl, RouteDecl, PriorityDecl)
+
+
+@dataclass(frozen=True, slots=True)
+class Declarations:
+    """Everything one file declares, section by section, in file order."""
+
+    message_types: tuple[MessageTypeDecl, ...] = ()
+    contracts: tuple[ContractDecl, ...] = ()
+    queues: tuple[QueueDecl, ...] = ()
+    services: tuple[ServiceDecl, ...] = ()
+    routes: tuple[RouteDecl, ...] = ()
+    priorities: tuple[PriorityDecl, ...] = ()
+    #: ``broker: {forwarding: ...}``; None when the file does not say.
+    forwarding: bool | None = None
+    forwarding_line: int | None = None
+    #: Names declared per section, even by entries that had other problems: a reference to such a
+    #: name is not reported again as unknown.
+    declared: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: Every reference made by an entry, ``(section, entry name, ref)``, including entries that
+    #: had other problems, so that a bad reference is reported along with them.
+    refs: tuple[tuple[str, str, Ref], ...] = ()
+
+    def section(self, name: str) -> tuple[Decl, ...]:
+        items: tuple[Decl, ...] = getattr(self, name)
+        return items
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing
+
+
+def _line(node: yaml.Node) -> int:
+    return int(node.start_mark.line) + 1
+
+
+def _describe(node: yaml.Node) -> str:
+    """How a node reads in a message: ``a list``, ``the string 'x'``, ``the number 3``..."""
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    if node.tag == _NULL:
+        return "nothing (null)"
+    if node.tag == _STR:
+        return f"the string {node.value!r}"
+    if node.tag == _BOOL:
+        return f"the boolean {node.value}"
+    if node.tag in (_INT, "tag:yaml.org,2002:float"):
+        return f"the number {node.value}"
+    return f"{node.value!r}"
+
+
+def _suggest(word: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(known), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+class _Reader:
+    """Walks the node tree, turning nodes into values and recording what is wrong with them.
+
+    Every getter records its own problem and returns a harmless fallback, so that one walk finds
+    every problem; callers compare ``len(problems)`` before and after an entry to know whether
+    the entry itself is usable.
+    """
+
+    def __init__(self, loader: yaml.SafeLoader) -> None:
+        self.loader = loader
+        self.problems: list[Problem] = []
+
+    def problem(self, node: yaml.Node | None, message: str) -> None:
+        self.problems.append(Problem(None if node is None else _line(node), message))
+
+    def mapping(
+        self,
+        node: yaml.Node,
+        what: str,
+        *,
+        allowed: Sequence[str],
+        required: Sequence[str] = (),
+    ) -> dict[str, yaml.Node]:
+        """The entries of a mapping node by key; unknown, repeated and missing keys are problems."""
+        if not isinstance(node, yaml.MappingNode):
+            self.problem(
+                node, f"{what} must be a mapping (key: value lines), not {_describe(node)}"
+            )
+            return {}
+        seen: dict[str, yaml.Node] = {}
+        entries: dict[str, yaml.Node] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != _STR:
+                self.problem(key_node, f"{what}: keys must be names, not {_describe(key_node)}")
+                continue
+            key = str(key_node.value)
+            if key in seen:
+                self.problem(
+                    key_node, f"{what}: '{key}' is given twice (first on line {_line(seen[key])})"
+                )
+            elif key not in allowed:
+                self.problem(
+                    key_node,
+                    f"{what}: unknown key '{key}'{_suggest(key, allowed)}; "
+                    f"known keys: {', '.join(allowed)}",
+                )
+            else:
+                seen[key] = key_node
+                entries[key] = value_node
+        for key in required:
+            if key not in entries:
+                self.problem(node, f"{what}: '{key}' is required")
+        return entries
+
+    def sequence(self, node: yaml.Node, what: str) -> list[yaml.Node]:
+        if isinstance(node, yaml.ScalarNode) and node.tag == _NULL:
+            return []
+        if not isinstance(node, yaml.SequenceNode):
+            self.problem(
+                node, f"{what} must be a list (lines starting with '- '), not {_describe(node)}"
+            )
+            return []
+        return list(node.value)
+
+    def string(self, node: yaml.Node, what: str, *, max_length: int = MAX_NAME) -> str:
+        if not isinstance(node, yaml.ScalarNode) or node.tag != _STR:
+            hint = " (quote it)" if isinstance(node, yaml.ScalarNode) and node.tag != _NULL else ""
+            self.problem(node, f"{what} must be a string, not {_describe(node)}{hint}")
+            return ""
+        value = str(node.value)
+        if not value.strip():
+            self.problem(node, f"{what} must not be empty")
+        elif len(value) > max_length:
+            self.problem(node, f"{what} is {len(value)} characters long; the limit is {max_length}")
+        return value
+
+    def optional_string(
+        self, node: yaml.Node | None, what: str, *, max_length: int = MAX_NAME
+    ) -> str | None:
+        if node is None or (isinstance(node, yaml.ScalarNode) and node.tag == _NULL):
+            return None
+        return self.string(node, what, max_length=max_length)
+
+    def boolean(self, node: yaml.Node, what: str) -> bool:
+        if not isinstance(node, yaml.ScalarNode) or node.tag != _BOOL:
+            self.problem(node, f"{what} must be true or false, not {_describe(node)}")
+            return False
+        return bool(self.loader.construct_object(node))
+
+    def integer(
+        self, node: yaml.Node, what: str, *, minimum: int, maximum: int | None = None
+    ) -> int:
+        if not isinstance(node, yaml.ScalarNode) or node.tag != _INT:
+            self.problem(node, f"{what} must be a whole number, not {_describe(node)}")
+            return minimum
+        value = int(self.loader.construct_object(node))
+        if value < minimum or (maximum is not None and value > maximum):
+            bounds = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+            self.problem(node, f"{what} must be {bounds}, not {value}")
+            return minimum
+        return value
+
+    def choice(self, node: yaml.Node, what: str, choices: Sequence[str]) -> str:
+        value = self.string(node, what)
+        if value and value not in choices:
+            self.problem(
+                node,
+                f"{what} must be one of {', '.join(choices)}, "
+                f"not {value!r}{_suggest(value, choices)}",
+            )
+        return value
+
+    def plain(self, node: yaml.Node) -> Any:
+        """The Python value of a whole subtree (a JSON schema, say)."""
+        return self.loader.construct_object(node, deep=True)
+
+
+def parse(text: str) -> tuple[Declarations, list[Problem]]:
+    """Read a declarations file. Returns what it declares and every problem found.
+
+    When the problem list is not empty the declarations are incomplete (entries with problems
+    are left out) and must not be applied.
+    """
+    loader = yaml.SafeLoader(text)
+    reader = _Reader(loader)
+    try:
+        try:
+            root = loader.get_single_node()
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            message = " ".join(str(p) for p in (exc.context, exc.problem) if p)
+            line = None if mark is None else int(mark.line) + 1
+            return Declarations(), [Problem(line, f"not valid YAML: {message}")]
+        except yaml.YAMLError as exc:
+            return Declarations(), [Problem(None, f"not valid YAML: {exc}")]
+        if root is None:  # an empty file (or only comments) declares nothing
+            return Declarations(), []
+        return _parse_document(reader, root), reader.problems
+    finally:
+        loader.dispose()
+
+
+def _parse_document(r: _Reader, root: yaml.Node) -> Declarations:
+    top = r.mapping(root, "the file", allowed=("version", "broker", *SECTIONS))
+    if "version" in top:
+        version = r.integer(top["version"], "version", minimum=FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            r.problem(
+                top["version"],
+                f"version {version} is not supported; this tool reads {FORMAT_VERSION}",
+            )
+    forwarding: bool | None = None
+    forwarding_line: int | None = None
+    if "broker" in top:
+        settings = r.mapping(top["broker"], "broker", allowed=BROKER_SETTINGS)
+        if "forwarding" in settings:
+            forwarding = r.boolean(settings["forwarding"], "broker.forwarding")
+            forwarding_line = _line(settings["forwarding"])
+
+    parsers: dict[str, Callable[[_Reader, str, str, int, dict[str, yaml.Node]], Decl]] = {
+        "message_types": _message_type,
+        "contracts": _contract,
+        "queues": _queue,
+        "services": _service,
+        "routes": _route,
+        "priorities": _priority,
+    }
+    sections: dict[str, tuple[Decl, ...]] = {}
+    declared: dict[str, frozenset[str]] = {}
+    refs: list[tuple[str, str, Ref]] = []
+    for section in SECTIONS:
+        kind = KIND[section]
+        items: list[Decl] = []
+        names: dict[str, int] = {}
+        for index, item in enumerate(r.sequence(top[section], section) if section in top else []):
+            before = len(r.problems)
+            peeked = _peek_name(item)
+            what = f"{kind} {peeked!r}" if peeked else f"{kind} #{index + 1} of {section}"
+            entries = r.mapping(
+                item, what, allowed=_KEYS[section], required=("name", *_REQUIRED.get(section, ()))
+            )
+            if "name" not in entries:
+                continue
+            name = r.string(entries["name"], f"{kind} name")
+            if not name:
+                continue
+            if name in names:
+                r.problem(item, f"{kind} {name!r} is declared twice (first on line {names[name]})")
+                continue
+            names[name] = _line(item)
+            decl = parsers[section](r, what, name, _line(item), entries)
+            refs.extend((section, name, ref) for ref in decl.refs)
+            if len(r.problems) == before:
+                items.append(decl)
+        sections[section] = tuple(items)
+        declared[section] = frozenset(names)
+    return Declarations(
+        message_types=_only(sections["message_types"], MessageTypeDecl),
+        contracts=_only(sections["contracts"], ContractDecl),
+        queues=_only(sections["queues"], QueueDecl),
+        services=_only(sections["services"], ServiceDecl),
+        routes=_only(sections["routes"], RouteDecl),
+        priorities=_only(sections["priorities"], PriorityDecl),
+        forwarding=forwarding,
+        forwarding_line=forwarding_line,
+        declared=declared,
+        refs=tuple(refs),
+    )
+
+
+def _only(items: Sequence[Decl], cls: type[_D]) -> tuple[_D, ...]:
+    return tuple(item for item in items if isinstance(item, cls))
+
+
+def _peek_name(node: yaml.Node) -> str | None:
+    """The entry's name, if it has a usable one, so that messages about it can say which it is."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if (
+                isinstance(key_node, yaml.ScalarNode)
+                and key_node.value == "name"
+                and isinstance(value_node, yaml.ScalarNode)
+                and value_node.tag == _STR
+                and value_node.value
+            ):
+                return str(value_node.value)
+    return None
+
+
+_REQUIRED: Final[Mapping[str, tuple[str, ...]]] = {
+    "contracts": ("message_types",),
+    "services": ("queue",),
+}
+
+_KEYS: Final[Mapping[str, tuple[str, ...]]] = {
+    "message_types": ("name", "validation", "json_schema"),
+    "contracts": ("name", "message_types"),
+    "queues": ("name", "status", "retention", "poison_message_handling", "activation"),
+    "services": ("name", "queue", "contracts"),
+    "routes": (
+        "name",
+        "service_name",
+        "broker_instance",
+        "address",
+        "mirror_address",
+        "lifetime_seconds",
+    ),
+    "priorities": ("name", "contract", "local_service", "remote_service", "priority"),
+}
+
+
+def _message_type(
+    r: _Reader, what: str, name: str, line: int, e: dict[str, yaml.Node]
+) -> MessageTypeDecl:
+    validation = "none"
+    if "validation" in e:
+        validation = r.choice(e["validation"], f"{what}: validation", VALIDATIONS)
+    schema: dict[str, Any] | None = None
+    if "json_schema" in e:
+        node = e["json_schema"]
+        if validation != "json_schema":
+            r.problem(node, f"{what}: json_schema is only used with validation: json_schema")
+        elif not isinstance(node, yaml.MappingNode):
+            r.problem(node, f"{what}: json_schema must be a mapping, not {_describe(node)}")
+        else:
+            schema = _json_schema(r, node, what)
+    elif validation == "json_schema":
+        r.problem(e["validation"], f"{what}: validation json_schema needs a json_schema")
+    return MessageTypeDecl(name, line, validation, schema)
+
+
+def _json_schema(r: _Reader, node: yaml.Node, what: str) -> dict[str, Any] | None:
+    try:
+        schema = r.plain(node)
+        json.dumps(schema)
+    except (yaml.YAMLError, TypeError, ValueError) as exc:
+        r.problem(node, f"{what}: json_schema is not plain JSON data: {exc}")
+        return None
+    import jsonschema  # here: loading it costs time every other command would pay for nothing
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        path = "/".join(str(p) for p in exc.path)
+        at = f" at {path}" if path else ""
+        r.problem(node, f"{what}: json_schema is not a valid JSON Schema{at}: {exc.message}")
+        return None
+    return dict(schema)
+
+
+def _contract(r: _Reader, what: str, name: str, line: int, e: dict[str, yaml.Node]) -> ContractDecl:
+    types: dict[str, str] = {}
+    refs: list[Ref] = []
+    if "message_types" not in e:  # reported by the section's required keys
+        return ContractDecl(name, line)
+    node = e["message_types"]
+    if not isinstance(node, yaml.MappingNode) or not node.value:
+        r.problem(
+            node,
+            f"{what}: message_types must be a mapping of message type names to who sends them "
+            f"({', '.join(SENT_BY)}), not {_describe(node)}",
+        )
+        return ContractDecl(name, line)
+    for key_node, value_node in node.value:
+        type_name = r.string(key_node, f"{what}: message type name")
+        if not type_name:
+            continue
+        if type_name in types:
+            r.problem(key_node, f"{what}: message type {type_name!r} is listed twice")
+            continue
+        types[type_name] = r.choice(value_node, f"{what}: {type_name!r} is sent by", SENT_BY)
+        refs.append(Ref("message_types", type_name, _line(key_node), "message type"))
+    if types and not any(s in ("initiator", "any") for s in types.values()):
+        r.problem(
+            node,
+            f"{what}: no message type may be sent by the initiator, so no dialog could ever start; "
+            "mark at least one 'initiator' or 'any'",
+        )
+    return ContractDecl(name, line, types, tuple(refs))
+
+
+def _activation(r: _Reader, node: yaml.Node, what: str) -> dict[str, Any] | None:
+    if isinstance(node, yaml.ScalarNode) and node.tag == _NULL:
+        return None
+    e = r.mapping(node, f"{what}: activation", allowed=("status", "max_readers", "reader"))
+    values: dict[str, Any] = {}
+    if "status" in e:
+        values["status"] = r.boolean(e["status"], f"{what}: activation status")
+    if "max_readers" in e:
+        values["max_readers"] = r.integer(
+            e["max_readers"], f"{what}: activation max_readers", minimum=1
+        )
+    if "reader" in e:
+        values["reader"] = r.optional_string(e["reader"], f"{what}: activation reader")
+    try:
+        return Activation(**values).to_dict()
+    except InvalidDefinition as exc:  # pragma: no cover - the checks above catch what it checks
+        r.problem(node, f"{what}: {exc}")
+        return None
+
+
+def _queue(r: _Reader, what: str, name: str, line: int, e: dict[str, yaml.Node]) -> QueueDecl:
+    settings: dict[str, Any] = {}
+    for key in ("status", "retention", "poison_message_handling"):
+        if key in e:
+            settings[key] = r.boolean(e[key], f"{what}: {key}")
+    if "activation" in e:
+        settings["activation"] = _activation(r, e["activation"], what)
+    return QueueDecl(name, line, settings)
+
+
+def _service(r: _Reader, what: str, name: str, line: int, e: dict[str, yaml.Node]) -> ServiceDecl:
+    queue_name = ""  # a missing queue is reported by the section's required keys
+    refs: list[Ref] = []
+    if "queue" in e:
+        queue_name = r.string(e["queue"], f"{what}: queue")
+        if queue_name:
+            refs.append(Ref("queues", queue_name, _line(e["queue"]), "queue"))
+    contracts: list[str] = []
+    for item in r.sequence(e["contracts"], f"{what}: contracts") if "contracts" in e else []:
+        contract = r.string(item, f"{what}: contract name")
+        if not contract:
+            continue
+        if contract in contracts:
+            r.problem(item, f"{what}: contract {contract!r} is listed twice")
+            continue
+        contracts.append(contract)
+        refs.append(Ref("contracts", contract, _line(item), "contract"))
+    return ServiceDecl(name, line, queue_name, tuple(contracts), tuple(refs))
+
+
+def _address(r: _Reader, node: yaml.Node, what: str, *, keywords: bool) -> str:
+    value = r.string(node, what, max_length=MAX_ADDRESS)
+    if not value:
+        return value
+    if keywords and value.upper() in ADDRESS_KEYWORDS:
+        return value.upper()
+    if not BROKER_ADDRESS.match(value):
+        forms = "LOCAL, TRANSPORT or broker://NAME" if keywords else "broker://NAME"
+        r.problem(node, f"{what} must be {forms} (NAME: a logical broker name), not {value!r}")
+    return value
+
+
+def _route(r: _Reader, what: str, name: str, line: int, e: dict[str, yaml.Node]) -> RouteDecl:
+    service_name = r.optional_string(e.get("service_name"), f"{what}: service_name")
+    broker_instance = r.optional_string(e.get("broker_instance"), f"{what}: broker_instance")
+    if broker_instance is not None and broker_instance:
+        try:
+            uuid.UUID(broker_instance)
+        except ValueError:
+            r.problem(
+                e["broker_instance"],
+                f"{what}: broker_instance must be a broker instance id (a UUID), "
+                f"not {broker_instance!r}",
+            )
+    address = "LOCAL"
+    if "address" in e:
+        address = _address(r, e["address"], f"{what}: address", keywords=True)
+    mirror: str | None = None
+    node = e.get("mirror_address")
+    if node is not None and not (isinstance(node, yaml.ScalarNode) and node.tag == _NULL):
+        mirror = _address(r, node, f"{what}: mirror_address", keywords=False)
+        if address in ADDRESS_KEYWORDS:
+            r.problem(
+                node,
+                f"{what}: mirror_address needs an address of the form broker://NAME, not {address}",
+            )
+    lifetime: int | None = None
+    node = e.get("lifetime_seconds")
+    if node is not None and not (isinstance(node, yaml.ScalarNode) and node.tag == _NULL):
+        lifetime = r.integer(node, f"{what}: lifetime_seconds", minimum=1)
+    return RouteDecl(name, line, service_name, broker_instance, address, mirror, lifetime)
+
+
+def _priority(r: _Reader, what: str, name: str, line: int, e: dict[str, yaml.Node]) -> PriorityDecl:
+    refs: list[Ref] = []
+    contract = r.optional_string(e.get("contract"), f"{what}: contract")
+    if contract:
+        refs.append(Ref("contracts", contract, _line(e["contract"]), "contract"))
+    local_service = r.optional_string(e.get("local_service"), f"{what}: local_service")
+    if local_service:
+        refs.append(Ref("services", local_service, _line(e["local_service"]), "local_service"))
+    remote_service = r.optional_string(e.get("remote_service"), f"{what}: remote_service")
+    priority = 5
+    if "priority" in e:
+        priority = r.integer(e["priority"], f"{what}: priority", minimum=1, maximum=10)
+    return PriorityDecl(name, line, contract, local_service, remote_service, priority, tuple(refs))
+
+
+# --------------------------------------------------------------------------------------------
+# Planning against the catalog
+
+Action = Literal["create", "alter", "replace", "unchanged"]
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """What applying one declared object does: create it, alter or replace it, or nothing."""
+
+    section: str
+    decl: Decl
+    action: Action
+    #: For alter / replace: what differs, ``key: old -> new``.
+    differences: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.decl.name
+
+    def describe(self) -> str:
+        kind = KIND[self.section]
+        if self.action == "create":
+            return f"+ {kind} {self.name}: created"
+        if self.action == "unchanged":
+            return f"= {kind} {self.name}: unchanged"
+        verb = "altered" if self.action == "alter" else "replaced"
+        return f"~ {kind} {self.name}: {verb} ({'; '.join(self.differences)})"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The changes a file makes, in the order they are applied."""
+
+    changes: tuple[Change, ...]
+
+    @property
+    def has_changes(self) -> bool:
+        return any(c.action != "unchanged" for c in self.changes)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per section: how many objects are created, altered (or replaced) and unchanged."""
+        out = {s: {"created": 0, "altered": 0, "unchanged": 0} for s in SECTIONS}
+        for change in self.changes:
+            bucket = {"create": "created", "unchanged": "unchanged"}.get(change.action, "altered")
+            out[change.section][bucket] += 1
+        return out
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return "[" + ", ".join(sorted(str(v) for v in value)) + "]"
+    return str(value)
+
+
+def _diff(pairs: Iterable[tuple[str, Any, Any]]) -> tuple[str, ...]:
+    return tuple(f"{key}: {_show(old)} -> {_show(new)}" for key, old, new in pairs if old != new)
+
+
+def _same_instance(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    try:
+        return uuid.UUID(a) == uuid.UUID(b)
+    except ValueError:
+        return a == b
+
+
+def plan(
+    decls: Declarations, catalog: Catalog, *, now: datetime | None = None
+) -> tuple[Plan, list[Problem]]:
+    """Compare the declarations with the database. Returns the plan and the problems found.
+
+    Problems: references that resolve neither in the file nor in the database, and objects that
+    exist with a different definition when that definition cannot be changed in place (message
+    types, contracts and services hold conversations and messages that depend on them). Queues
+    are altered; routes and priorities are replaced (dropped and created again in the same
+    transaction), which is safe because nothing refers to them: a conversation copies the
+    priority it was given and looks routes up again for every delivery.
+    """
+    now = now or datetime.now(UTC)
+    problems: list[Problem] = []
+    existing: dict[str, Mapping[str, Any]] = {
+        "message_types": catalog.message_types,
+        "contracts": catalog.contracts,
+        "queues": catalog.queues,
+        "services": catalog.services,
+        "routes": catalog.routes,
+        "priorities": catalog.priorities,
+    }
+
+    for section, name, ref in decls.refs:
+        known = [*decls.declared.get(ref.section, ()), *existing[ref.section]]
+        if ref.name in known:
+            continue
+        problems.append(
+            Problem(
+                ref.line,
+                f"{KIND[section]} {name!r}: {ref.key} {ref.name!r} is declared "
+                f"neither in this file nor in the database{_suggest(ref.name, known)}",
+            )
+        )
+
+    if decls.forwarding is not None:
+        problems.append(
+            Problem(
+                decls.forwarding_line,
+                "broker.forwarding is reserved for forwarding between brokers, which this version "
+                "cannot switch on yet; remove it",
+            )
+        )
+
+    changes: list[Change] = []
+    for section in SECTIONS:
+        for decl in decls.section(section):
+            current = existing[section].get(decl.name)
+            if current is None:
+                changes.append(Change(section, decl, "create"))
+                continue
+            action, differences = _compare(decl, current, now)
+            if action == "refuse":
+                kind = KIND[section]
+                problems.append(
+                    Problem(
+                        decl.line,
+                        f"{kind} {decl.name!r} already exists with a different definition "
+                        f"({'; '.join(differences)}, database -> file); a {kind} cannot be "
+                        "changed in place: drop it first or declare the new one under another name",
+                    )
+                )
+                continue
+            changes.append(Change(section, decl, action, differences))
+    return Plan(tuple(changes)), problems
+
+
+def _compare(
+    decl: Decl, current: Any, now: datetime
+) -> tuple[Action | Literal["refuse"], tuple[str, ...]]:
+    if isinstance(decl, MessageTypeDecl):
+        differences = _diff(
+            [
+                ("validation", current.validation, decl.validation),
+                ("json_schema", current.json_schema or None, decl.json_schema),
+            ]
+        )
+        return ("refuse" if differences else "unchanged"), differences
+    if isinstance(decl, ContractDecl):
+        differences = _diff([("message_types", dict(current.message_types), decl.message_types)])
+        return ("refuse" if differences else "unchanged"), differences
+    if isinstance(decl, ServiceDecl):
+        differences = _diff(
+            [
+                ("queue", current.queue, decl.queue),
+                ("contracts", frozenset(current.contracts), frozenset(decl.contracts)),
+            ]
+        )
+        return ("refuse" if differences else "unchanged"), differences
+    if isinstance(decl, QueueDecl):
+        pairs = []
+        for key, wanted in decl.settings.items():
+            have = getattr(current, key)
+            if key == "activation" and have is not None:
+                have = {**Activation().to_dict(), **dict(have)}
+            pairs.append((key, have, wanted))
+        differences = _diff(pairs)
+        return ("alter" if differences else "unchanged"), differences
+    if isinstance(decl, RouteDecl):
+        pairs = [
+            ("service_name", current.service_name, decl.service_name),
+            ("address", current.address, decl.address),
+            ("mirror_address", current.mirror_address, decl.mirror_address),
+        ]
+        route_diffs = list(_diff(pairs))
+        if not _same_instance(current.broker_instance, decl.broker_instance):
+            route_diffs.append(
+                f"broker_instance: {_show(current.broker_instance)} -> "
+                f"{_show(decl.broker_instance)}"
+            )
+        # The lifetime counts from the apply that created the route: applying the file again
+        # neither renews nor shortens it, unless it has run out (then the route is created anew).
+        expires_at: datetime | None = current.expires_at
+        if expires_at is not None and expires_at.tzinfo is None:
+            expires_at = expires_at.replace(tzinfo=UTC)
+        if decl.lifetime_seconds is None and expires_at is not None:
+            route_diffs.append(f"lifetime: expires {expires_at.isoformat()} -> none")
+        elif decl.lifetime_seconds is not None and expires_at is None:
+            route_diffs.append(f"lifetime: none -> {decl.lifetime_seconds} seconds")
+        elif decl.lifetime_seconds is not None and expires_at is not None and expires_at <= now:
+            route_diffs.append(
+                f"lifetime: expired {expires_at.isoformat()} -> {decl.lifetime_seconds} seconds"
+            )
+        return ("replace" if route_diffs else "unchanged"), tuple(route_diffs)
+    differences = _diff(
+        [
+            ("contract", current.contract, decl.contract),
+            ("local_service", current.local_service, decl.local_service),
+            ("remote_service", current.remote_service, decl.remote_service),
+            ("priority", current.priority, decl.priority),
+        ]
+    )
+    return ("replace" if differences else "unchanged"), differences
+
+
+# --------------------------------------------------------------------------------------------
+# Applying
+
+
+class DefinitionVerbs(Protocol):
+    """The DDL verbs :func:`apply_plan` uses (``broker.definitions()`` and ``Broker`` have them)."""
+
+    def create_message_type(
+        self, name: str, validation: str = ..., json_schema: dict[str, Any] | None = ...
+    ) -> Any: ...
+
+    def create_contract(self, name: str, message_types: dict[str, str]) -> Any: ...
+
+    def create_queue(self, name: str, **settings: Any) -> Any: ...
+
+    def alter_queue(self, name: str, **settings: Any) -> Any: ...
+
+    def create_service(self, name: str, *, queue: str, contracts: Sequence[str]) -> Any: ...
+
+    def create_route(self, name: str, **settings: Any) -> Any: ...
+
+    def drop_route(self, name: str) -> Any: ...
+
+    def create_priority(self, name: str, **settings: Any) -> Any: ...
+
+    def drop_priority(self, name: str) -> Any: ...
+
+
+def apply_plan(p: Plan, d: DefinitionVerbs) -> None:
+    """Run every change of the plan through ``d`` (one ``broker.definitions()`` transaction)."""
+    for change in p.changes:
+        if change.action == "unchanged":
+            continue
+        decl = change.decl
+        if isinstance(decl, MessageTypeDecl):
+            d.create_message_type(
+                decl.name, validation=decl.validation, json_schema=decl.json_schema
+            )
+        elif isinstance(decl, ContractDecl):
+            d.create_contract(decl.name, dict(decl.message_types))
+        elif isinstance(decl, QueueDecl):
+            if change.action == "create":
+                settings = decl.create_settings()
+                d.create_queue(decl.name, **_with_activation(settings))
+            else:
+                d.alter_queue(decl.name, **_with_activation(dict(decl.settings)))
+        elif isinstance(decl, ServiceDecl):
+            d.create_service(decl.name, queue=decl.queue, contracts=list(decl.contracts))
+        elif isinstance(decl, RouteDecl):
+            if change.action == "replace":
+                d.drop_route(decl.name)
+            d.create_route(
+                decl.name,
+                service_name=decl.service_name,
+                broker_instance=decl.broker_instance,
+                address=decl.address,
+                mirror_address=decl.mirror_address,
+                lifetime_seconds=decl.lifetime_seconds,
+            )
+        else:
+            if change.action == "replace":
+                d.drop_priority(decl.name)
+            d.create_priority(
+                decl.name,
+                contract=decl.contract,
+                local_service=decl.local_service,
+                remote_service=decl.remote_service,
+                priority=decl.priority,
+            )
+
+
+def _with_activation(settings: dict[str, Any]) -> dict[str, Any]:
+    if settings.get("activation") is not None:
+        settings["activation"] = Activation(**settings["activation"])
+    return settings

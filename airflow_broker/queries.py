@@ -1,0 +1,138 @@
+"""The hot-path statements, in one place.
+
+RECEIVE is one atomic statement: pick the highest-priority conversation group with ready
+messages that no other transaction holds, lock it until this transaction ends, and take its
+messages. On PostgreSQL the group row is locked ``FOR NO KEY UPDATE ... SKIP LOCKED`` (NO KEY, so
+that SENDs into a locked group, whose foreign-key checks take KEY SHARE, still go through). On
+SQLite the lock clause renders as nothing: a broker transaction there holds the database's single
+write lock from its first statement (``BEGIN IMMEDIATE``), which serializes readers.
+
+The DELETE (or, with retention, the UPDATE) is what makes a message taken exactly once: if two
+transactions ever see the same ready row, the second one's DELETE finds it gone and skips it.
+Values are always bound; the only text substituted is fixed in this module.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from sqlalchemy import BigInteger, Integer, LargeBinary, SmallInteger, String, Uuid, bindparam, text
+from sqlalchemy.sql.elements import TextClause
+
+MESSAGE_COLUMNS = (
+    "queuing_order",
+    "conversation_group_id",
+    "conversation_handle",
+    "message_sequence_number",
+    "priority",
+    "precedence",
+    "service_name",
+    "service_contract_name",
+    "message_type_name",
+    "validation",
+    "message_body",
+)
+
+_COLUMN_TYPES = {
+    "queuing_order": BigInteger(),
+    "conversation_group_id": Uuid(),
+    "conversation_handle": Uuid(),
+    "message_sequence_number": BigInteger(),
+    "priority": SmallInteger(),
+    "precedence": SmallInteger(),
+    "service_name": String(),
+    "service_contract_name": String(),
+    "message_type_name": String(),
+    "validation": String(),
+    "message_body": LargeBinary(),
+}
+
+#: Messages of one group come out timers first, then errors, then each dialog in sequence order.
+GROUP_ORDER = "m.priority DESC, m.precedence, m.conversation_handle, m.message_sequence_number"
+
+
+def _group_picker(dialect: str, *, by_handle: bool, by_group: bool) -> str:
+    pg = dialect == "postgresql"
+    lock_g = "FOR NO KEY UPDATE OF g SKIP LOCKED" if pg else ""
+    if by_handle:
+        join = (
+            "JOIN broker_conversation_group g ON g.conversation_group_id = e.conversation_group_id"
+            if pg
+            else ""
+        )
+        return (
+            "SELECT e.conversation_group_id FROM broker_conversation_endpoint e "
+            f"{join} WHERE e.conversation_handle = :handle AND e.queue_id = :queue_id {lock_g}"
+        )
+    if by_group:
+        lock = "FOR NO KEY UPDATE SKIP LOCKED" if pg else ""
+        return (
+            "SELECT g.conversation_group_id FROM broker_conversation_group g "
+            f"WHERE g.conversation_group_id = :group_id AND g.queue_id = :queue_id {lock}"
+        )
+    join = (
+        "JOIN broker_conversation_group g ON g.conversation_group_id = m.conversation_group_id"
+        if pg
+        else ""
+    )
+    return (
+        f"SELECT m.conversation_group_id FROM broker_message m {join} "
+        "WHERE m.queue_id = :queue_id AND m.status = 1 "
+        f"ORDER BY m.priority DESC, m.queuing_order LIMIT 1 {lock_g}"
+    )
+
+
+def _typed(sql: str, *, by_handle: bool, by_group: bool) -> TextClause:
+    params = [bindparam("queue_id", type_=Integer())]
+    if by_handle:
+        params.append(bindparam("handle", type_=Uuid()))
+    if by_group:
+        params.append(bindparam("group_id", type_=Uuid()))
+    return text(sql).bindparams(*params)
+
+
+@cache
+def claim_statement(
+    dialect: str, *, by_handle: bool = False, by_group: bool = False, retention: bool = False
+) -> TextClause:
+    """RECEIVE: lock one conversation group and take up to ``:top`` of its ready messages.
+
+    Bind ``queue_id``, ``top`` (None on PostgreSQL / -1 on SQLite for no limit) and ``handle`` or
+    ``group_id`` when filtering. Rows come back unordered (RETURNING keeps no order): sort them
+    by :data:`GROUP_ORDER`'s columns.
+    """
+    picker = _group_picker(dialect, by_handle=by_handle, by_group=by_group)
+    handle_filter = "AND m.conversation_handle = :handle" if by_handle else ""
+    take = "UPDATE broker_message SET status = 0" if retention else "DELETE FROM broker_message"
+    sql = (
+        f"WITH grp AS ({picker}), "
+        "picked AS (SELECT m.queuing_order FROM broker_message m "
+        "WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) "
+        f"AND m.queue_id = :queue_id AND m.status = 1 {handle_filter} "
+        f"ORDER BY {GROUP_ORDER} LIMIT :top) "
+        f"{take} WHERE queuing_order IN (SELECT queuing_order FROM picked) "
+        f"RETURNING {', '.join(MESSAGE_COLUMNS)}"
+    )
+    clause = _typed(sql, by_handle=by_handle, by_group=by_group)
+    return clause.columns(*(_col(name) for name in MESSAGE_COLUMNS))  # type: ignore[return-value]
+
+
+def _col(name: str):  # type: ignore[no-untyped-def]
+    from sqlalchemy import column
+
+    return column(name, _COLUMN_TYPES[name])
+
+
+@cache
+def lock_group_statement(
+    dialect: str, *, by_handle: bool = False, by_group: bool = False
+) -> TextClause:
+    """GET CONVERSATION GROUP: lock and return the next group with ready messages."""
+    picker = _group_picker(dialect, by_handle=by_handle, by_group=by_group)
+    clause = _typed(picker, by_handle=by_handle, by_group=by_group)
+    return clause.columns(_col("conversation_group_id"))  # type: ignore[return-value]
+
+
+def no_limit(dialect: str) -> int | None:
+    """The ``:top`` value that means "all messages of the group"."""
+    return None if dialect == "postgresql" else -1

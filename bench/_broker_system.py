@@ -1,0 +1,150 @@
+"""airflow-broker as a measured system: dialogs between two local services on PostgreSQL.
+
+Setup (untimed) begins ``Workload.dialogs`` dialogs from ``bench/initiator`` to ``bench/target``
+and sends one message on each, so that every target endpoint exists and both sides are
+CONVERSING before the first measured SEND: the bench measures steady-state messaging, not
+dialog creation (the peers have no equivalent of it).
+
+Single: each SEND goes to the next dialog, round robin; each RECEIVE takes ``top=1``.
+
+Batched: one transaction SENDs one message to each of 100 dialogs (``tx.send`` with the list of
+handles), the equivalent of pgmq's ``send_batch`` of 100. On the receiving side the 100 target
+endpoints are moved into ``Workload.groups`` conversation groups, and each consuming
+transaction is one ``RECEIVE TOP (100)``: one statement that returns up to 100 messages of one
+group, the equivalent of pgmq's ``read(qty=100)``. Several groups (4 by default) let two
+readers work at once, as Service Broker's group locking intends; one RECEIVE per transaction
+keeps the round trips per batch comparable to the peers' one read per batch.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING
+
+from bench._scratch import Database
+from bench._systems import SetupState, Workload, payload
+
+if TYPE_CHECKING:
+    from airflow_broker import Broker
+
+INITIATOR_QUEUE = "bench_initiator_q"
+TARGET_QUEUE = "bench_target_q"
+INITIATOR = "bench/initiator"
+TARGET = "bench/target"
+
+
+def _connect(db: Database) -> Broker:
+    from airflow_broker import Broker
+
+    return Broker.connect(db.sqlalchemy_url)
+
+
+class BrokerProducer:
+    """``with broker.transaction() as tx: tx.send(handle or handles, body=...)``."""
+
+    def __init__(self, db: Database, state: SetupState) -> None:
+        self.broker = _connect(db)
+        self.handles: list[uuid.UUID] = list(state["handles"])
+        self._next = 0
+
+    def send(self, first_seq: int, count: int) -> None:
+        """One transaction: one message, or one message to each of ``count`` dialogs."""
+        with self.broker.transaction() as tx:
+            if count == 1:
+                tx.send(self.handles[self._next], body=payload(first_seq))
+                self._next = (self._next + 1) % len(self.handles)
+            else:
+                # SEND ON CONVERSATION (h1, ..., h100): one body to every listed dialog.
+                tx.send(self.handles[:count], body=payload(first_seq))
+
+    def close(self) -> None:
+        """Dispose of the engine."""
+        self.broker.dispose()
+
+
+class BrokerConsumer:
+    """``with broker.transaction() as tx: tx.receive(queue, top=batch)``."""
+
+    def __init__(self, db: Database, batch: int) -> None:
+        self.broker = _connect(db)
+        self.batch = batch
+
+    def receive(self) -> int:
+        """One RECEIVE TOP (batch) and its commit."""
+        with self.broker.transaction() as tx:
+            return len(tx.receive(TARGET_QUEUE, top=self.batch))
+
+    def close(self) -> None:
+        """Dispose of the engine."""
+        self.broker.dispose()
+
+
+class AirflowBrokerSystem:
+    """airflow-broker on PostgreSQL (retention off, the default)."""
+
+    name = "airflow-broker"
+
+    def install(self, db: Database) -> None:
+        """``broker.migrate()``."""
+        broker = _connect(db)
+        try:
+            broker.migrate()
+        finally:
+            broker.dispose()
+
+    def prepare(self, db: Database, workload: Workload) -> SetupState:
+        """Queues, services, ``dialogs`` conversing dialogs, and the receiving side's groups."""
+        from airflow_broker import DEFAULT
+
+        batch_dialogs = workload.batch if workload.batch > 1 else 0
+        dialogs = max(workload.dialogs, batch_dialogs)
+        broker = _connect(db)
+        try:
+            with broker.definitions() as d:
+                d.create_queue(INITIATOR_QUEUE)
+                d.create_queue(TARGET_QUEUE)
+                d.create_service(INITIATOR, queue=INITIATOR_QUEUE, contracts=[DEFAULT])
+                d.create_service(TARGET, queue=TARGET_QUEUE, contracts=[DEFAULT])
+            with broker.transaction() as tx:
+                handles = [tx.begin_dialog(INITIATOR, TARGET) for _ in range(dialogs)]
+                tx.send(handles, body=payload(-1))
+            targets: list[uuid.UUID] = []
+            while True:
+                with broker.transaction() as tx:
+                    msgs = tx.receive(TARGET_QUEUE)
+                if not msgs:
+                    break
+                targets.extend(m.conversation_handle for m in msgs)
+            if len(set(targets)) != dialogs:
+                raise RuntimeError(f"setup: {len(set(targets))} target endpoints, not {dialogs}")
+            if workload.groups:
+                self._group(broker, sorted(set(targets)), workload.groups)
+        finally:
+            broker.dispose()
+        return {"handles": handles}
+
+    @staticmethod
+    def _group(broker: Broker, targets: list[uuid.UUID], groups: int) -> None:
+        """MOVE CONVERSATION the target endpoints into ``groups`` groups of equal size."""
+        with broker.transaction() as tx:
+            for g in range(groups):
+                chunk = targets[g::groups]
+                leader = tx.conversation(chunk[0]).conversation_group_id
+                for handle in chunk[1:]:
+                    tx.move_conversation(handle, leader)
+
+    def producer(self, db: Database, workload: Workload, state: SetupState) -> BrokerProducer:
+        """See :class:`BrokerProducer`."""
+        return BrokerProducer(db, state)
+
+    def consumer(self, db: Database, workload: Workload, state: SetupState) -> BrokerConsumer:
+        """See :class:`BrokerConsumer`."""
+        return BrokerConsumer(db, workload.batch)
+
+    def remaining(self, db: Database, state: SetupState) -> int:
+        """Ready messages on the target queue (``queue_status`` depth)."""
+        broker = _connect(db)
+        try:
+            return sum(s.depth for s in broker.queue_status() if s.name == TARGET_QUEUE)
+        finally:
+            broker.dispose()

@@ -1,0 +1,296 @@
+"""Worker functions for the PostgreSQL multi-process tests (``test_concurrency_pg.py``).
+
+Every function here runs in a child process started with the ``spawn`` context, so each is a
+module-level function whose arguments pickle (URLs, plans, ``multiprocessing`` events and pipe
+ends). A child opens its own :class:`~airflow_broker.Broker`: nothing is shared with the parent but
+the database.
+
+What a reader received is written to ``test_received`` **in the receiving transaction**, through
+that transaction's own connection, so the rows commit (or vanish) together with the RECEIVE: a
+killed or rolled-back reader cannot leave a row for a message it did not really take, and a
+message taken twice leaves two rows.
+
+Timestamps that are compared across processes come from ``time.monotonic()``: CLOCK_MONOTONIC is
+one clock for the whole machine on Linux (and macOS), and unlike the wall clock it never steps.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from multiprocessing.connection import Connection as PipeEnd
+from multiprocessing.synchronize import Event
+from typing import Any
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Connection, Engine
+
+from airflow_broker import Broker, Message, Transaction
+
+#: Tables the tests own, in the broker's database (named ``test_*``: nothing of the broker's).
+TEST_TABLES_DDL = (
+    """
+    CREATE TABLE IF NOT EXISTS test_received (
+        id bigserial PRIMARY KEY,
+        reader integer NOT NULL,
+        receive_no integer NOT NULL,
+        conversation_handle uuid NOT NULL,
+        conversation_group_id uuid NOT NULL,
+        message_sequence_number bigint NOT NULL,
+        n integer
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS test_hold (
+        id bigserial PRIMARY KEY,
+        reader integer NOT NULL,
+        conversation_group_id uuid NOT NULL,
+        started double precision NOT NULL,
+        ended double precision NOT NULL,
+        messages integer NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS test_reader_stats (
+        reader integer PRIMARY KEY,
+        receives integer NOT NULL,
+        empty_receives integer NOT NULL,
+        rolled_back integer NOT NULL
+    )
+    """,
+)
+
+_INSERT_RECEIVED = text(
+    "INSERT INTO test_received (reader, receive_no, conversation_handle, conversation_group_id, "
+    "message_sequence_number, n) VALUES (:reader, :receive_no, :conversation_handle, "
+    ":conversation_group_id, :message_sequence_number, :n)"
+)
+_INSERT_HOLD = text(
+    "INSERT INTO test_hold (reader, conversation_group_id, started, ended, messages) "
+    "VALUES (:reader, :group, :started, :ended, :messages)"
+)
+
+
+def create_test_tables(url: str) -> None:
+    """Create the ``test_*`` tables in the broker database at ``url``."""
+    engine = _plain_engine(url)
+    try:
+        with engine.begin() as conn:
+            for ddl in TEST_TABLES_DDL:
+                conn.execute(text(ddl))
+    finally:
+        engine.dispose()
+
+
+def tx_connection(tx: Transaction) -> Connection:
+    """The SQLAlchemy connection a broker transaction runs on (its writes commit with it)."""
+    conn = tx.connection
+    assert isinstance(conn, Connection), f"Transaction.connection is {conn!r}"
+    return conn
+
+
+def body_n(message: Message) -> int | None:
+    """The ``n`` the tests put in every body (``{"n": 3}``), None for a body-less message."""
+    body = message.json()
+    return body.get("n") if isinstance(body, dict) else None
+
+
+class _Rollback(Exception):
+    """Raised inside a transaction on purpose, to roll it back."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderPlan:
+    """What one reader process does.
+
+    :param expected: the reader stops once ``test_received`` holds this many rows.
+    :param tops: RECEIVE's ``top`` for each transaction is picked from these at random.
+    :param hold_seconds: how long a reader sleeps while it holds a group (between RECEIVE and
+        COMMIT), to widen the window in which a second reader could wrongly get the same group.
+    :param rollback_rate: the share of receiving transactions rolled back on purpose.
+    :param quiet_receives: once ``done`` was set before a RECEIVE, this many empty RECEIVEs in a
+        row also stop the reader (a lost message must end the test, not hang it).
+    """
+
+    url: str
+    queue: str
+    reader: int
+    expected: int
+    tops: tuple[int | None, ...] = (None,)
+    wait_seconds: float = 0.0
+    hold_seconds: float = 0.0
+    rollback_rate: float = 0.0
+    idle_sleep: float = 0.005
+    quiet_receives: int = 3
+    deadline_seconds: float = 60.0
+
+
+def run_reader(plan: ReaderPlan, done: Event | None = None) -> None:
+    """Drain ``plan.queue``, recording every message in the receiving transaction.
+
+    Stops when ``test_received`` holds ``plan.expected`` rows, or, with ``done``, after
+    ``plan.quiet_receives`` empty RECEIVEs that all started after ``done`` was set. Raises (the
+    process exits non-zero) when the deadline passes first.
+    """
+    broker = Broker.connect(plan.url)
+    counter = _plain_engine(plan.url)
+    rng = random.Random(plan.reader)
+    deadline = time.monotonic() + plan.deadline_seconds
+    receives = empty = rolled_back = quiet = 0
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"reader {plan.reader}: {_count(counter)} of {plan.expected} messages "
+                    f"recorded after {plan.deadline_seconds} s"
+                )
+            done_before = done is not None and done.is_set()
+            receives += 1
+            messages: list[Message] = []
+            try:
+                with broker.transaction() as tx:
+                    messages = tx.receive(
+                        plan.queue, top=rng.choice(plan.tops), wait_seconds=plan.wait_seconds
+                    )
+                    if messages:
+                        started = time.monotonic()
+                        _record(tx_connection(tx), plan.reader, receives, messages)
+                        if plan.hold_seconds:
+                            time.sleep(plan.hold_seconds)
+                        ended = time.monotonic()
+                        _record_hold(tx_connection(tx), plan.reader, messages, started, ended)
+                        if rng.random() < plan.rollback_rate:
+                            raise _Rollback
+            except _Rollback:
+                rolled_back += 1
+                continue
+            if messages:
+                quiet = 0
+                continue
+            empty += 1
+            quiet = quiet + 1 if done_before else 0
+            if quiet >= plan.quiet_receives or _count(counter) >= plan.expected:
+                break
+            time.sleep(plan.idle_sleep)
+        with counter.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO test_reader_stats (reader, receives, empty_receives, rolled_back) "
+                    "VALUES (:r, :n, :e, :b)"
+                ),
+                {"r": plan.reader, "n": receives, "e": empty, "b": rolled_back},
+            )
+    finally:
+        counter.dispose()
+        broker.dispose()
+
+
+def run_sender(
+    url: str,
+    from_service: str,
+    to_service: str,
+    dialogs: int,
+    messages: int,
+    pause_seconds: float,
+    go: Event,
+    done: Event,
+) -> None:
+    """Once ``go`` is set, begin ``dialogs`` dialogs and send ``messages`` to each, ``{"n": k}``.
+
+    Message ``k`` of every dialog goes in transaction ``k``, with a pause between transactions, so
+    that a dialog's later messages arrive while readers are working on its earlier ones.
+    """
+    broker = Broker.connect(url)
+    try:
+        if not go.wait(60):
+            raise TimeoutError("sender: nobody said go within 60 s")
+        handles: list[uuid.UUID] = []
+        with broker.transaction() as tx:
+            handles = [tx.begin_dialog(from_service, to_service) for _ in range(dialogs)]
+            tx.send(handles, body={"n": 0})
+        for k in range(1, messages):
+            time.sleep(pause_seconds)
+            with broker.transaction() as tx:
+                tx.send(handles, body={"n": k})
+        done.set()
+    finally:
+        broker.dispose()
+
+
+def hold_received(url: str, queue: str, pipe: PipeEnd, deadline_seconds: float = 30.0) -> None:
+    """RECEIVE from ``queue``, report what was received through ``pipe``, then never commit.
+
+    The parent kills this process with SIGKILL while it sleeps inside the transaction. The report
+    is ``[(conversation_handle, message_sequence_number, n), ...]``; an empty list means nothing
+    arrived before the deadline. All RECEIVEs happen in one transaction, so this process never
+    commits a receiving transaction (which would reset the queue's poison count).
+    """
+    broker = Broker.connect(url)
+    deadline = time.monotonic() + deadline_seconds
+    with broker.transaction() as tx:
+        messages: list[Message] = []
+        while not messages and time.monotonic() < deadline:
+            messages = tx.receive(queue, wait_seconds=1)
+        pipe.send([(m.conversation_handle, m.message_sequence_number, body_n(m)) for m in messages])
+        time.sleep(300 if messages else 0)
+
+
+def timed_receive(url: str, queue: str, wait_seconds: float, pipe: PipeEnd) -> None:
+    """Report ``("ready", t)`` just before a waiting RECEIVE, then ``("done", t0, t1, bodies)``.
+
+    ``t0``/``t1`` are ``time.monotonic()`` just before the RECEIVE and just after it returned;
+    the connection, the catalog and any LISTEN are warmed up by one RECEIVE beforehand.
+    """
+    broker = Broker.connect(url)
+    try:
+        with broker.transaction() as tx:
+            tx.receive(queue)
+        with broker.transaction() as tx:
+            pipe.send(("ready", time.monotonic()))
+            t0 = time.monotonic()
+            messages = tx.receive(queue, wait_seconds=wait_seconds)
+            t1 = time.monotonic()
+        pipe.send(("done", t0, t1, [m.json() for m in messages]))
+    finally:
+        broker.dispose()
+
+
+def _plain_engine(url: str) -> Engine:
+    return create_engine(url, pool_size=1, max_overflow=0)
+
+
+def _count(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT count(*) FROM test_received")).scalar_one())
+
+
+def _record(conn: Connection, reader: int, receive_no: int, messages: list[Message]) -> None:
+    rows: list[dict[str, Any]] = [
+        {
+            "reader": reader,
+            "receive_no": receive_no,
+            "conversation_handle": m.conversation_handle,
+            "conversation_group_id": m.conversation_group_id,
+            "message_sequence_number": m.message_sequence_number,
+            "n": body_n(m),
+        }
+        for m in messages
+    ]
+    conn.execute(_INSERT_RECEIVED, rows)
+
+
+def _record_hold(
+    conn: Connection, reader: int, messages: list[Message], started: float, ended: float
+) -> None:
+    conn.execute(
+        _INSERT_HOLD,
+        {
+            "reader": reader,
+            "group": messages[0].conversation_group_id,
+            "started": started,
+            "ended": ended,
+            "messages": len(messages),
+        },
+    )

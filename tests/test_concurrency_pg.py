@@ -1,0 +1,439 @@
+"""Concurrency and crash claims, proved with real OS processes on PostgreSQL.
+
+Each reader is a separate process (``spawn``) with its own connections; the worker functions are
+in ``tests/procs.py``. Every reader records what it received in the receiving transaction itself
+(``test_received``), so the records commit exactly when the RECEIVE does: the assertions below
+read only committed truth.
+
+- many readers drain many dialogs: every message exactly once, each dialog in order;
+- two readers never hold one conversation group at the same time;
+- a reader killed with SIGKILL while holding messages loses none of them;
+- five killed readers in a row disable the queue (poison handling), four do not;
+- a waiting RECEIVE wakes as soon as another process commits a SEND.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import signal
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import procs
+import pytest
+from sqlalchemy import create_engine, text
+
+from airflow_broker import Broker, QueueDisabled
+from airflow_broker.objects import QueueStatus
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
+SPAWN = multiprocessing.get_context("spawn")
+INIT_SERVICE = "//test/Initiator"
+TARGET_SERVICE = "//test/Target"
+INIT_QUEUE = "test_initiator_q"
+TARGET_QUEUE = "test_target_q"
+
+Spawner = Callable[..., BaseProcess]
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawner]:
+    """Start worker processes; any still alive at teardown are killed (by their own pid)."""
+    started: list[BaseProcess] = []
+
+    def _spawn(target: Callable[..., None], *args: Any) -> BaseProcess:
+        proc = SPAWN.Process(target=target, args=args, daemon=True)
+        proc.start()
+        started.append(proc)
+        return proc
+
+    yield _spawn
+    for proc in started:
+        if proc.is_alive() and proc.pid is not None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join(5)
+
+
+def _join_all(processes: list[BaseProcess], timeout: float) -> None:
+    """Join every process within ``timeout`` seconds overall; fail on a hang or a crash."""
+    deadline = time.monotonic() + timeout
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    hung = [p.name for p in processes if p.is_alive()]
+    assert not hung, f"worker processes still running after {timeout} s: {hung}"
+    failed = {p.name: p.exitcode for p in processes if p.exitcode != 0}
+    assert not failed, f"worker processes failed (exit codes; tracebacks above): {failed}"
+
+
+def _setup_services(broker: Broker, *, poison_message_handling: bool = True) -> None:
+    broker.create_queue(INIT_QUEUE)
+    broker.create_queue(TARGET_QUEUE, poison_message_handling=poison_message_handling)
+    broker.create_service(INIT_SERVICE, queue=INIT_QUEUE, contracts=["DEFAULT"])
+    broker.create_service(TARGET_SERVICE, queue=TARGET_QUEUE, contracts=["DEFAULT"])
+
+
+def _send_dialogs(broker: Broker, dialogs: int, messages: int) -> list[uuid.UUID]:
+    """Begin ``dialogs`` dialogs to the target and send each ``messages`` bodies ``{"n": k}``."""
+    with broker.transaction() as tx:
+        handles = [tx.begin_dialog(INIT_SERVICE, TARGET_SERVICE) for _ in range(dialogs)]
+        for k in range(messages):
+            tx.send(handles, body={"n": k})
+    return handles
+
+
+def _status(broker: Broker, queue: str) -> QueueStatus:
+    return next(s for s in broker.queue_status() if s.name == queue)
+
+
+def _received_rows(url: str) -> list[Any]:
+    engine = create_engine(url, pool_size=1)
+    try:
+        with engine.connect() as conn:
+            return list(
+                conn.execute(
+                    text(
+                        "SELECT reader, receive_no, conversation_handle, conversation_group_id, "
+                        "message_sequence_number, n FROM test_received ORDER BY id"
+                    )
+                )
+            )
+    finally:
+        engine.dispose()
+
+
+def _query(url: str, sql: str) -> list[Any]:
+    engine = create_engine(url, pool_size=1)
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(text(sql)))
+    finally:
+        engine.dispose()
+
+
+def _assert_exactly_once_in_order(rows: list[Any], *, dialogs: int, messages: int) -> None:
+    """Every (handle, sequence) once; per dialog bodies 0..messages-1 and sequences ascending."""
+    keys = [(r.conversation_handle, r.message_sequence_number) for r in rows]
+    dupes = {k for k, n in Counter(keys).items() if n > 1}
+    assert not dupes, f"messages received more than once: {sorted(dupes)[:10]}"
+    assert len(rows) == dialogs * messages, (
+        f"{len(rows)} messages received, {dialogs * messages} sent"
+    )
+    by_dialog: dict[uuid.UUID, list[Any]] = defaultdict(list)
+    for r in rows:  # rows are in receive order (test_received.id, taken inside the hold)
+        by_dialog[r.conversation_handle].append(r)
+    assert len(by_dialog) == dialogs
+    for handle, seq in by_dialog.items():
+        ns = [r.n for r in seq]
+        assert ns == list(range(messages)), f"dialog {handle} received bodies in order {ns}"
+        numbers = [r.message_sequence_number for r in seq]
+        assert all(a < b for a, b in itertools.pairwise(numbers)), (
+            f"dialog {handle} received sequence numbers {numbers}"
+        )
+    groups_per_receive: dict[tuple[int, int], set[uuid.UUID]] = defaultdict(set)
+    for r in rows:
+        groups_per_receive[(r.reader, r.receive_no)].add(r.conversation_group_id)
+    mixed = {k: v for k, v in groups_per_receive.items() if len(v) > 1}
+    assert not mixed, f"RECEIVEs that returned several conversation groups: {mixed}"
+
+
+@pytest.mark.timeout(150)
+def test_four_readers_drain_120_dialogs_exactly_once_in_order(pg_url: str, spawn: Spawner) -> None:
+    """4 readers, 120 dialogs x 10 messages: half sent up front, half while the readers read.
+
+    Readers take a random ``top`` each time and roll back one transaction in ten (poison
+    handling is off on this queue), so messages also go back to the queue and are taken again.
+    """
+    dialogs, messages, readers = 120, 10, 4
+    broker = Broker.connect(pg_url)
+    try:
+        _setup_services(broker, poison_message_handling=False)
+        procs.create_test_tables(pg_url)
+        _send_dialogs(broker, dialogs // 2, messages)
+
+        go, done = SPAWN.Event(), SPAWN.Event()
+        t0 = time.monotonic()
+        sender = spawn(
+            procs.run_sender,
+            pg_url,
+            INIT_SERVICE,
+            TARGET_SERVICE,
+            dialogs // 2,
+            messages,
+            0.05,
+            go,
+            done,
+        )
+        workers = [
+            spawn(
+                procs.run_reader,
+                procs.ReaderPlan(
+                    url=pg_url,
+                    queue=TARGET_QUEUE,
+                    reader=i,
+                    expected=dialogs * messages,
+                    tops=(None, 1, 2, 3, 5),
+                    wait_seconds=0.5,
+                    rollback_rate=0.1,
+                    deadline_seconds=90,
+                ),
+                done,
+            )
+            for i in range(readers)
+        ]
+        # the sender starts once the readers are really reading, so its SENDs land mid-drain
+        deadline = time.monotonic() + 60
+        while not _query(pg_url, "SELECT 1 FROM test_received LIMIT 1"):
+            assert time.monotonic() < deadline, "no reader received anything within 60 s"
+            assert all(w.is_alive() or w.exitcode == 0 for w in workers), "a reader died"
+            time.sleep(0.05)
+        go.set()
+        _join_all([sender, *workers], timeout=100)
+        elapsed = time.monotonic() - t0
+
+        rows = _received_rows(pg_url)
+        _assert_exactly_once_in_order(rows, dialogs=dialogs, messages=messages)
+        assert _status(broker, TARGET_QUEUE).depth == 0
+        stats = _query(
+            pg_url,
+            "SELECT reader, receives, empty_receives, rolled_back "
+            "FROM test_reader_stats ORDER BY reader",
+        )
+        print(f"\ndrained {len(rows)} messages with {readers} readers in {elapsed:.1f} s: {stats}")
+        assert len({r.reader for r in rows}) >= 2, "only one reader ever received anything"
+        assert sum(s.rolled_back for s in stats) > 0, "no transaction was rolled back"
+    finally:
+        broker.dispose()
+
+
+@pytest.mark.timeout(120)
+def test_two_readers_never_hold_one_conversation_group_at_once(pg_url: str, spawn: Spawner) -> None:
+    """4 readers on 2 shared groups (3 dialogs each) plus 3 single-dialog groups.
+
+    The messages come back to the initiator's queue, whose groups hold several dialogs (BEGIN
+    DIALOG ... related_conversation). Readers hold each group for 40 ms with ``top=2``; once the
+    single-dialog groups are drained there are 2 groups for 4 readers, so readers contend.
+    """
+    shared_groups, per_group, singles, messages, readers = 2, 3, 3, 8, 4
+    broker = Broker.connect(pg_url)
+    try:
+        _setup_services(broker)
+        procs.create_test_tables(pg_url)
+        with broker.transaction() as tx:
+            initiators: list[uuid.UUID] = []
+            for _ in range(shared_groups):
+                first = tx.begin_dialog(INIT_SERVICE, TARGET_SERVICE)
+                initiators.append(first)
+                initiators += [
+                    tx.begin_dialog(INIT_SERVICE, TARGET_SERVICE, related_conversation=first)
+                    for _ in range(per_group - 1)
+                ]
+            initiators += [tx.begin_dialog(INIT_SERVICE, TARGET_SERVICE) for _ in range(singles)]
+            tx.send(initiators, body={"hello": True})
+            groups = {tx.conversation(h).conversation_group_id for h in initiators}
+        assert len(groups) == shared_groups + singles, "related_conversation did not join groups"
+        # the target learns its handles from the first messages, then every dialog talks back
+        targets: list[uuid.UUID] = []
+        deadline = time.monotonic() + 10
+        while len(targets) < len(initiators):
+            assert time.monotonic() < deadline, f"{len(targets)} first messages arrived"
+            with broker.transaction() as tx:
+                targets += [m.conversation_handle for m in tx.receive(TARGET_QUEUE)]
+        with broker.transaction() as tx:
+            for k in range(messages):
+                tx.send(targets, body={"n": k})
+        dialogs = len(initiators)
+
+        t0 = time.monotonic()
+        workers = [
+            spawn(
+                procs.run_reader,
+                procs.ReaderPlan(
+                    url=pg_url,
+                    queue=INIT_QUEUE,
+                    reader=i,
+                    expected=dialogs * messages,
+                    tops=(2,),
+                    hold_seconds=0.04,
+                    idle_sleep=0.002,
+                    deadline_seconds=60,
+                ),
+            )
+            for i in range(readers)
+        ]
+        _join_all(workers, timeout=80)
+        elapsed = time.monotonic() - t0
+
+        holds = _query(
+            pg_url,
+            "SELECT conversation_group_id, reader, started, ended FROM test_hold ORDER BY started",
+        )
+        by_group: dict[uuid.UUID, list[Any]] = defaultdict(list)
+        for h in holds:
+            by_group[h.conversation_group_id].append(h)
+        overlaps = [
+            (group, (a.reader, a.started, a.ended), (b.reader, b.started, b.ended))
+            for group, hs in by_group.items()
+            for a, b in itertools.pairwise(hs)
+            if b.started < a.ended
+        ]
+        assert not overlaps, f"a conversation group was held by two readers at once: {overlaps}"
+        assert set(by_group) == groups
+
+        rows = _received_rows(pg_url)
+        _assert_exactly_once_in_order(rows, dialogs=dialogs, messages=messages)
+        stats = _query(pg_url, "SELECT reader, receives, empty_receives FROM test_reader_stats")
+        readers_per_group = {g: len({h.reader for h in hs}) for g, hs in by_group.items()}
+        print(
+            f"\n{len(holds)} holds in {elapsed:.1f} s; readers per group {readers_per_group}; "
+            f"stats {stats}"
+        )
+        # contention was real: readers found every ready group locked and came back empty
+        assert sum(s.empty_receives for s in stats) > 0
+        assert max(readers_per_group.values()) >= 2, "no group ever changed hands"
+    finally:
+        broker.dispose()
+
+
+def _hold_and_kill(
+    spawn: Spawner, url: str, queue: str, timeout: float = 30
+) -> list[tuple[uuid.UUID, int, int | None]]:
+    """A child receives from ``queue`` and reports it; SIGKILL it inside its transaction."""
+    parent_end, child_end = SPAWN.Pipe(duplex=False)
+    proc = spawn(procs.hold_received, url, queue, child_end)
+    child_end.close()
+    assert parent_end.poll(timeout), f"the holding reader reported nothing within {timeout} s"
+    held: list[tuple[uuid.UUID, int, int | None]] = parent_end.recv()
+    assert held, "the holding reader received nothing"
+    assert proc.pid is not None and proc.is_alive(), "the holding reader ended before the kill"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    assert proc.exitcode == -signal.SIGKILL, f"exit code {proc.exitcode}"
+    parent_end.close()
+    return held
+
+
+def _drain(broker: Broker, queue: str, expected: int, timeout: float = 20) -> list[Any]:
+    got: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < expected and time.monotonic() < deadline:
+        with broker.transaction() as tx:
+            got += tx.receive(queue, wait_seconds=1)
+    return got
+
+
+@pytest.mark.timeout(90)
+def test_reader_killed_while_holding_messages_loses_nothing(pg_url: str, spawn: Spawner) -> None:
+    dialogs, messages = 6, 5
+    broker = Broker.connect(pg_url)
+    try:
+        _setup_services(broker)
+        _send_dialogs(broker, dialogs, messages)
+
+        held = _hold_and_kill(spawn, pg_url, TARGET_QUEUE)
+        held_handles = {h for h, _, _ in held}
+        assert len(held_handles) == 1, "a RECEIVE returned messages of several dialogs"
+        assert [n for _, _, n in held] == list(range(messages))
+
+        got = _drain(broker, TARGET_QUEUE, dialogs * messages)
+        keys = [(m.conversation_handle, m.message_sequence_number) for m in got]
+        assert len(keys) == len(set(keys)), "a message was received twice"
+        assert len(got) == dialogs * messages, f"{len(got)} of {dialogs * messages} came back"
+        assert {(h, s) for h, s, _ in held} <= set(keys), "the killed reader's messages are lost"
+        by_dialog: dict[uuid.UUID, list[int | None]] = defaultdict(list)
+        for m in got:
+            by_dialog[m.conversation_handle].append(procs.body_n(m))
+        assert all(ns == list(range(messages)) for ns in by_dialog.values()), by_dialog
+        assert _status(broker, TARGET_QUEUE).depth == 0
+    finally:
+        broker.dispose()
+
+
+def _wait_for_status(
+    broker: Broker, queue: str, ok: Callable[[QueueStatus], bool], timeout: float = 15
+) -> QueueStatus:
+    """Run the broker's due work until ``ok(status)`` (a killed reader's backend may linger)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        broker.run_due()
+        status = _status(broker, queue)
+        if ok(status) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+def test_five_killed_readers_disable_the_queue_four_do_not(pg_url: str, spawn: Spawner) -> None:
+    broker = Broker.connect(pg_url)
+    try:
+        _setup_services(broker)
+        _send_dialogs(broker, 1, 3)
+        poison = None
+        for kill in range(1, 6):
+            held = _hold_and_kill(spawn, pg_url, TARGET_QUEUE)
+            assert poison is None or held == poison, "the same messages come back each time"
+            poison = held
+            if kill < 5:
+                status = _wait_for_status(
+                    broker, TARGET_QUEUE, lambda s, k=kill: s.rollback_count >= k
+                )
+                assert status.rollback_count == kill, f"after {kill} kills: {status}"
+                assert status.status, f"the queue was disabled after {kill} kills: {status}"
+                assert not [e for e in broker.events() if e.event == "queue_disabled"]
+            else:
+                status = _wait_for_status(broker, TARGET_QUEUE, lambda s: not s.status)
+                assert not status.status, f"five killed readers left the queue enabled: {status}"
+
+        events = [e for e in broker.events() if e.event == "queue_disabled"]
+        assert [e.object_name for e in events] == [TARGET_QUEUE]
+        with pytest.raises(QueueDisabled), broker.transaction() as tx:
+            tx.receive(TARGET_QUEUE)
+        assert _status(broker, TARGET_QUEUE).depth == 3, "messages of a poisoned queue are kept"
+
+        broker.alter_queue(TARGET_QUEUE, status=True)
+        got = _drain(broker, TARGET_QUEUE, 3)
+        assert [procs.body_n(m) for m in got] == [0, 1, 2]
+    finally:
+        broker.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_waiting_receive_wakes_when_another_process_commits_a_send(
+    pg_url: str, spawn: Spawner
+) -> None:
+    broker = Broker.connect(pg_url)
+    try:
+        _setup_services(broker)
+        with broker.transaction() as tx:
+            handle = tx.begin_dialog(INIT_SERVICE, TARGET_SERVICE)
+        parent_end, child_end = SPAWN.Pipe(duplex=False)
+        proc = spawn(procs.timed_receive, pg_url, TARGET_QUEUE, 10.0, child_end)
+        child_end.close()
+        assert parent_end.poll(30), "the waiting reader never got ready"
+        assert parent_end.recv()[0] == "ready"
+
+        time.sleep(1.0)
+        before_send = time.monotonic()
+        with broker.transaction() as tx:
+            tx.send(handle, body={"n": 7})
+        committed = time.monotonic()
+
+        assert parent_end.poll(15), "the waiting RECEIVE did not return"
+        tag, t0, t1, bodies = parent_end.recv()
+        _join_all([proc], timeout=10)
+        parent_end.close()
+        assert tag == "done"
+        assert bodies == [{"n": 7}], f"the waiting RECEIVE returned {bodies}"
+        assert t1 > before_send, "the RECEIVE returned before the SEND started"
+        assert t1 - t0 >= 0.9, f"the RECEIVE waited only {t1 - t0:.3f} s"
+        latency = t1 - committed
+        print(f"\nRECEIVE woke {latency * 1000:.0f} ms after the SEND committed")
+        assert latency < 0.5, f"the RECEIVE woke {latency:.3f} s after the commit"
+    finally:
+        broker.dispose()

@@ -1,0 +1,203 @@
+"""The RECEIVE path keeps using its indexes when a queue is deep (PostgreSQL).
+
+100,000 messages in 1,000 dialogs sit in one queue. The dialogs and their first message are
+made through the public API (so endpoints, groups and messages are exactly what the engine
+writes); the other 99 messages of each dialog are copies of the first with later sequence
+numbers, made by one ``INSERT ... SELECT generate_series`` (seconds instead of minutes). Then
+every variant of the claim statement (``airflow_broker.queries``) is EXPLAINed: none may read
+``broker_message`` with a sequential scan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Connection
+
+from airflow_broker import Broker, queries
+from airflow_broker.schema import message as message_table
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
+DIALOGS = 1_000
+PER_DIALOG = 100
+QUEUE = "explain_q"
+
+
+def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _plan_nodes(child)
+
+
+def _sql(stmt: Any) -> str:
+    """The SQL text of a statement from ``airflow_broker.queries`` (text, or text + columns)."""
+    clause = getattr(stmt, "element", stmt)
+    sql: str = clause.text
+    return sql
+
+
+def _message_scans(conn: Connection, sql: str, params: dict[str, Any]) -> list[str]:
+    """The node types that read broker_message in the plan of ``sql``; fails on a Seq Scan."""
+    raw = conn.execute(text(f"EXPLAIN (FORMAT JSON) {sql}"), params).scalar_one()
+    plan = raw[0]["Plan"]
+    scans = [
+        node["Node Type"]
+        for node in _plan_nodes(plan)
+        if node.get("Relation Name") == "broker_message" and "Scan" in node["Node Type"]
+    ]
+    text_plan = "\n".join(r[0] for r in conn.execute(text(f"EXPLAIN {sql}"), params))
+    assert "Seq Scan" not in scans, f"sequential scan of broker_message:\n{text_plan}"
+    assert scans, f"broker_message is not read at all?\n{text_plan}"
+    assert all("Index" in s or s == "Bitmap Heap Scan" for s in scans), text_plan
+    return scans
+
+
+@pytest.fixture(scope="module")
+def deep_queue(postgres_server: Any) -> Iterator[str]:
+    """A broker database with 100k ready messages in one queue (built once for this module)."""
+    url: str = postgres_server.create_database()
+    broker = Broker.connect(url)
+    t0 = time.monotonic()
+    broker.create_queue("explain_initiator_q")
+    broker.create_queue(QUEUE)
+    broker.create_service("//explain/Initiator", queue="explain_initiator_q", contracts=["DEFAULT"])
+    broker.create_service("//explain/Target", queue=QUEUE, contracts=["DEFAULT"])
+    with broker.transaction() as tx:
+        handles = [
+            tx.begin_dialog("//explain/Initiator", "//explain/Target") for _ in range(DIALOGS)
+        ]
+        tx.send(handles, body={"n": 0})
+    t_api = time.monotonic() - t0
+    broker.dispose()
+
+    copied = [
+        c.name
+        for c in message_table.columns
+        if c.name not in ("queuing_order", "message_sequence_number")
+    ]
+    cols = ", ".join(copied)
+    engine = create_engine(url, pool_size=1)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    f"INSERT INTO broker_message ({cols}, message_sequence_number) "
+                    f"SELECT {', '.join('m.' + c for c in copied)}, "
+                    "m.message_sequence_number + s.i "
+                    "FROM broker_message m CROSS JOIN generate_series(1, :more) AS s(i) "
+                    "ORDER BY s.i, m.queuing_order"
+                ),
+                {"more": PER_DIALOG - 1},
+            )
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("ANALYZE"))
+            total = conn.execute(
+                text(
+                    "SELECT count(*) FROM broker_message m JOIN broker_queue q "
+                    "ON q.queue_id = m.queue_id WHERE q.name = :q AND m.status = 1"
+                ),
+                {"q": QUEUE},
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    assert total == DIALOGS * PER_DIALOG
+    print(f"\n{total} messages queued in {time.monotonic() - t0:.1f} s (API part {t_api:.1f} s)")
+    yield url
+
+
+@pytest.fixture
+def conn(deep_queue: str) -> Iterator[Connection]:
+    engine = create_engine(deep_queue, pool_size=1)
+    with engine.connect() as connection:
+        yield connection
+        connection.rollback()
+    engine.dispose()
+
+
+def _ids(conn: Connection) -> dict[str, Any]:
+    row = conn.execute(
+        text(
+            "SELECT q.queue_id, m.conversation_handle, m.conversation_group_id "
+            "FROM broker_message m JOIN broker_queue q ON q.queue_id = m.queue_id "
+            "WHERE q.name = :q ORDER BY m.queuing_order DESC LIMIT 1"
+        ),
+        {"q": QUEUE},
+    ).one()
+    return {"queue_id": row.queue_id, "handle": row.conversation_handle, "group": row[2]}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("retention", [False, True], ids=["delete", "retention"])
+@pytest.mark.parametrize(
+    ("by_handle", "by_group"),
+    [(False, False), (True, False), (False, True)],
+    ids=["next-group", "by-handle", "by-group"],
+)
+@pytest.mark.parametrize("top", [None, 1, 10], ids=["all", "top1", "top10"])
+def test_claim_statement_uses_indexes(
+    conn: Connection, by_handle: bool, by_group: bool, retention: bool, top: int | None
+) -> None:
+    ids = _ids(conn)
+    stmt = queries.claim_statement(
+        "postgresql", by_handle=by_handle, by_group=by_group, retention=retention
+    )
+    params: dict[str, Any] = {"queue_id": ids["queue_id"], "top": top}
+    if by_handle:
+        params["handle"] = ids["handle"]
+    if by_group:
+        params["group_id"] = ids["group"]
+    _message_scans(conn, _sql(stmt), params)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("by_handle", "by_group"),
+    [(False, False), (True, False), (False, True)],
+    ids=["next-group", "by-handle", "by-group"],
+)
+def test_lock_group_statement_uses_indexes(
+    conn: Connection, by_handle: bool, by_group: bool
+) -> None:
+    ids = _ids(conn)
+    stmt = queries.lock_group_statement("postgresql", by_handle=by_handle, by_group=by_group)
+    params: dict[str, Any] = {"queue_id": ids["queue_id"]}
+    if by_handle:
+        params["handle"] = ids["handle"]
+    if by_group:
+        params["group_id"] = ids["group"]
+    sql = _sql(stmt)
+    raw = conn.execute(text(f"EXPLAIN (FORMAT JSON) {sql}"), params).scalar_one()
+    seq = [
+        n.get("Relation Name")
+        for n in _plan_nodes(raw[0]["Plan"])
+        if n["Node Type"] == "Seq Scan"
+        and n.get("Relation Name") in ("broker_message", "broker_conversation_group")
+    ]
+    assert not seq, f"sequential scans of {seq}"
+
+
+@pytest.mark.timeout(120)
+def test_claim_really_runs_on_the_deep_queue_through_its_index(conn: Connection) -> None:
+    """EXPLAIN ANALYZE the default claim (then roll it back): one group, 100 rows, no Seq Scan."""
+    ids = _ids(conn)
+    stmt = queries.claim_statement("postgresql", by_handle=False, by_group=False, retention=False)
+    params = {"queue_id": ids["queue_id"], "top": None}
+    raw = conn.execute(text(f"EXPLAIN (ANALYZE, FORMAT JSON) {_sql(stmt)}"), params).scalar_one()
+    conn.rollback()
+    plan = raw[0]["Plan"]
+    nodes = list(_plan_nodes(plan))
+    seq = [n for n in nodes if n["Node Type"] == "Seq Scan"]
+    assert not seq, f"sequential scans: {[n.get('Relation Name') for n in seq]}"
+    assert plan["Actual Rows"] == PER_DIALOG, plan
+    read = max(
+        n["Actual Rows"] * n.get("Actual Loops", 1)
+        for n in nodes
+        if n.get("Relation Name") == "broker_message"
+    )
+    assert read <= 2 * PER_DIALOG, f"a scan of broker_message returned {read} rows"
+    print(f"\nclaim of {PER_DIALOG} messages: {raw[0]['Execution Time']:.1f} ms")
