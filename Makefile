@@ -1,0 +1,38 @@
+# The two commands of the README: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: demo test lint unit install install-dev postgres bench clean
+
+$(BIN)/uv:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip uv
+
+# The engine alone: what `make demo` needs.
+install: $(BIN)/uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -e .
+
+# Everything the test suite talks to: Airflow, Spark provider, psycopg, the benchmark peers.
+install-dev: $(BIN)/uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]'
+
+demo: install
+	$(BIN)/python -m airflow_broker.demo
+
+# Starts (or installs) PostgreSQL when none answers at BROKER_TEST_POSTGRES_URL.
+postgres: install-dev
+	$(BIN)/python tests/support/ensure_postgres.py
+
+lint: install-dev
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: install-dev postgres lint
+	$(BIN)/pytest -n 2 --dist loadgroup
+
+bench: install-dev postgres
+	$(BIN)/python -m bench.throughput
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
