@@ -906,7 +906,7 @@ class Broker:
         with self._cache_lock:
             hit = self._cache.get(key)
         if hit is not None and now - hit[0] < DEFINITION_CACHE_SECONDS:
-            return hit[1]  # type: ignore[no-any-return]
+            return hit[1]
         value = load()
         with self._cache_lock:
             self._cache[key] = (now, value)
@@ -1525,7 +1525,7 @@ class _DueWork:
                 break
             # Take the message out first; routing it again re-queues it if it still cannot go.
             self.conn.execute(delete(t).where(t.c.id == msg.id))
-            sender_now = sender._mapping | {"has_pending": False}
+            sender_now = {**sender._mapping, "has_pending": False}
             before = self.conn.execute(
                 select(func.count()).select_from(t).where(t.c.conversation_handle == handle)
             ).scalar_one()
@@ -1765,7 +1765,8 @@ class Transaction:
             if row is not None:
                 if row.queue_id != svc.queue_id:
                     raise InvalidDefinition(
-                        f"conversation group {group} is on another queue than service {from_service!r}"
+                        f"conversation group {group} is on another queue than service "
+                        f"{from_service!r}"
                     )
                 new_group = False
         if group is None:

@@ -108,9 +108,10 @@ class PostgresAdapter:
     def _raw_connect(self, **kwargs: Any) -> Any:
         import psycopg
 
-        args, cparams = self._engine.dialect.create_connect_args(self._engine.url)
-        cparams = {k: v for k, v in cparams.items() if k != "client_encoding"}
-        return psycopg.connect(*args, autocommit=True, **cparams, **kwargs)
+        _args, cparams = self._engine.dialect.create_connect_args(self._engine.url)
+        params: dict[str, Any] = {k: v for k, v in cparams.items() if k != "client_encoding"}
+        params.update(kwargs)
+        return psycopg.connect(autocommit=True, **params)
 
     @contextlib.contextmanager
     def _side_connection(self) -> Iterator[Any]:
@@ -144,7 +145,7 @@ class PostgresAdapter:
             listener = self._idle_listeners.pop() if self._idle_listeners else None
         if listener is None or listener.closed:
             listener = self._raw_connect()
-            listener.info_channels = set()  # type: ignore[attr-defined]
+            listener.info_channels = set()
         ch = channel(queue_id)
         if ch not in listener.info_channels:
             listener.execute(f'LISTEN "{ch}"')  # the channel name is ours, never user text
@@ -376,8 +377,8 @@ def adapter_for(engine: Engine) -> PostgresAdapter | SqliteAdapter:
     if name == "postgresql":
         if engine.dialect.driver != "psycopg":
             raise ValueError(
-                f"PostgreSQL broker databases need the psycopg (3) driver, not {engine.dialect.driver!r}:"
-                " use a postgresql+psycopg:// URL"
+                "PostgreSQL broker databases need the psycopg (3) driver, not "
+                f"{engine.dialect.driver!r}: use a postgresql+psycopg:// URL"
             )
         return PostgresAdapter(engine)
     if name == "sqlite":

@@ -15,8 +15,19 @@ Values are always bound; the only text substituted is fixed in this module.
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
-from sqlalchemy import BigInteger, Integer, LargeBinary, SmallInteger, String, Uuid, bindparam, text
+from sqlalchemy import (
+    BigInteger,
+    Integer,
+    LargeBinary,
+    SmallInteger,
+    String,
+    Uuid,
+    bindparam,
+    column,
+    text,
+)
 from sqlalchemy.sql.elements import TextClause
 
 MESSAGE_COLUMNS = (
@@ -33,7 +44,7 @@ MESSAGE_COLUMNS = (
     "message_body",
 )
 
-_COLUMN_TYPES = {
+_COLUMN_TYPES: dict[str, Any] = {
     "queuing_order": BigInteger(),
     "conversation_group_id": Uuid(),
     "conversation_handle": Uuid(),
@@ -83,7 +94,7 @@ def _group_picker(dialect: str, *, by_handle: bool, by_group: bool) -> str:
 
 
 def _typed(sql: str, *, by_handle: bool, by_group: bool) -> TextClause:
-    params = [bindparam("queue_id", type_=Integer())]
+    params: list[Any] = [bindparam("queue_id", type_=Integer())]
     if by_handle:
         params.append(bindparam("handle", type_=Uuid()))
     if by_group:
@@ -117,9 +128,7 @@ def claim_statement(
     return clause.columns(*(_col(name) for name in MESSAGE_COLUMNS))  # type: ignore[return-value]
 
 
-def _col(name: str):  # type: ignore[no-untyped-def]
-    from sqlalchemy import column
-
+def _col(name: str) -> Any:
     return column(name, _COLUMN_TYPES[name])
 
 

@@ -51,7 +51,8 @@ def check_definition(name: str, validation: str, json_schema: dict[str, Any] | N
     """Refuse a message type definition that could never validate anything."""
     if validation not in VALIDATIONS:
         raise InvalidDefinition(
-            f"message type {name!r}: validation {validation!r} is not one of {', '.join(VALIDATIONS)}"
+            f"message type {name!r}: validation {validation!r} is not one of "
+            f"{', '.join(VALIDATIONS)}"
         )
     if validation == "json_schema":
         if not isinstance(json_schema, dict):
@@ -86,7 +87,8 @@ def validate_body(
         return
     if body is None:
         raise MessageValidationError(
-            f"message type {message_type!r} has validation {validation!r} but the message has no body"
+            f"message type {message_type!r} has validation {validation!r} but the message has "
+            "no body"
         )
     if validation == "well_formed_xml":
         try:
