@@ -38,7 +38,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.pool import StaticPool
 
 from airflow_broker import queries
@@ -633,20 +633,27 @@ class Broker:
         """This broker database's id (a UUID string), stable for the life of the database."""
         if self._instance_id is None:
             with self.engine.connect() as conn:
-                value = self._read_instance_id(conn)
-            self._instance_id = value
+                self._instance_on(conn)
+        assert self._instance_id is not None
         return self._instance_id
 
-    def _read_instance_id(self, conn: Connection) -> str:
-        try:
-            value = conn.execute(select(s.broker_instance.c.instance_id)).scalar()
-        except Exception as exc:
-            raise BrokerError(
-                f"{self!r} has no broker tables: run Broker.migrate() (or `airflow-broker migrate`)"
-            ) from exc
-        if value is None:
-            raise BrokerError(f"{self!r} is not migrated: run Broker.migrate()")
-        return str(value)
+    def _instance_on(self, conn: Connection) -> str:
+        """The instance id, read on ``conn`` the first time (inside a SQLite write transaction a
+        second connection would wait for this one's lock)."""
+        if self._instance_id is None:
+            try:
+                value = conn.execute(select(s.broker_instance.c.instance_id)).scalar()
+            except (OperationalError, ProgrammingError) as exc:
+                if "broker_instance" not in str(exc.orig):
+                    raise
+                raise BrokerError(
+                    f"{self!r} has no broker tables: run Broker.migrate() "
+                    "(or `airflow-broker migrate`)"
+                ) from exc
+            if value is None:
+                raise BrokerError(f"{self!r} is not migrated: run Broker.migrate()")
+            self._instance_id = str(value)
+        return self._instance_id
 
     # -- definitions ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -811,7 +818,7 @@ class Broker:
                         r.broker_instance,
                         r.address,
                         r.mirror_address,
-                        r.expires_at,
+                        _aware(r.expires_at),
                     )
                     for r in conn.execute(select(s.route))
                 },
@@ -1014,6 +1021,7 @@ class _Delivery:
         self.b = broker
         self.conn = conn
         self.notify = notify
+        self.instance_id = broker._instance_on(conn)
 
     def route(
         self,
@@ -1037,7 +1045,7 @@ class _Delivery:
             return
         if sender.far_handle is not None:
             if sender.far_queue_id is None:
-                if sender.far_broker_instance not in (None, self.b.instance_id):
+                if sender.far_broker_instance not in (None, self.instance_id):
                     self._to_transmission(
                         sender,
                         message_type,
@@ -1133,7 +1141,7 @@ class _Delivery:
         self._far_received(far["handle"], seq, message_type, "CO")
 
     def _local_target(self, sender: Any) -> dict[str, Any] | None:
-        if sender.far_broker_instance not in (None, self.b.instance_id):
+        if sender.far_broker_instance not in (None, self.instance_id):
             return None
         row = self.conn.execute(
             select(s.service.c.queue_id, s.queue.c.status, s.queue.c.name)
@@ -1177,7 +1185,7 @@ class _Delivery:
                 queue_id=target["queue_id"],
                 service_name=sender.far_service,
                 far_service=sender.service_name,
-                far_broker_instance=self.b.instance_id,
+                far_broker_instance=self.instance_id,
                 far_handle=sender.conversation_handle,
                 contract_name=sender.contract_name,
                 state="CO",
@@ -1191,7 +1199,7 @@ class _Delivery:
         self.conn.execute(
             update(s.conversation_endpoint)
             .where(s.conversation_endpoint.c.conversation_handle == sender.conversation_handle)
-            .values(far_handle=handle, far_broker_instance=self.b.instance_id)
+            .values(far_handle=handle, far_broker_instance=self.instance_id)
         )
         return {"handle": handle, "group": group, "priority": prio}
 
@@ -1259,7 +1267,7 @@ class _Delivery:
                 conversation_id=sender.conversation_id,
                 is_initiator=sender.is_initiator,
                 from_service_name=sender.service_name,
-                from_broker_instance=self.b.instance_id,
+                from_broker_instance=self.instance_id,
                 to_service_name=sender.far_service,
                 to_broker_instance=sender.far_broker_instance,
                 service_contract_name=sender.contract_name,
@@ -1384,6 +1392,7 @@ class _DueWork:
         self.b = broker
         self.conn = conn
         self.notify: set[int] = set()
+        self.instance_id = broker._instance_on(conn)
 
     def _due_handles(self, column: Any, now: datetime, extra: Any = None) -> Any:
         e = s.conversation_endpoint
@@ -1500,7 +1509,7 @@ class _DueWork:
             select(t.c.conversation_handle)
             .where(t.c.next_attempt_at <= now)
             .where(
-                or_(t.c.to_broker_instance.is_(None), t.c.to_broker_instance == self.b.instance_id)
+                or_(t.c.to_broker_instance.is_(None), t.c.to_broker_instance == self.instance_id)
             )
             .where(t.c.to_service_name.in_(select(s.service.c.name)))
             .group_by(t.c.conversation_handle)

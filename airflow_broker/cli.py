@@ -56,8 +56,7 @@ def resolve_url(cli_url: str | None, environ: dict[str, str] | None = None) -> t
         return cli_url, "--url"
     if env.get(ENV_URL):
         return env[ENV_URL], f"${ENV_URL}"
-    where = Path.cwd() / "broker.db"
-    return DEFAULT_URL, f"default: {where}; choose another with --url or ${ENV_URL}"
+    return DEFAULT_URL, "default"
 
 
 def shown_url(url: str) -> str:
@@ -84,6 +83,8 @@ def _connect(url: str) -> Broker:
 
 def cmd_migrate(args: argparse.Namespace, out: TextIO) -> int:
     url, source = resolve_url(args.url)
+    if source == "default":
+        source = f"default: {Path.cwd() / 'broker.db'}; choose another with --url or ${ENV_URL}"
     print(f"database: {shown_url(url)} ({source})", file=out)
     broker = _connect(url)
     try:
@@ -119,16 +120,17 @@ def cmd_apply(args: argparse.Namespace, out: TextIO) -> int:
         problems = problems + plan_problems
         if problems:
             raise declarations.DeclarationsInvalid(filename, problems)
-        dry = " (dry run: nothing is written)" if args.dry_run else ""
-        print(f"apply {filename} to {shown} ({source}){dry}", file=out)
-        for change in the_plan.changes:
-            if change.action != "unchanged":
-                print(f"  {change.describe()}", file=out)
         if the_plan.has_changes and not args.dry_run:
             with broker.definitions() as d:
                 declarations.apply_plan(the_plan, d)
     finally:
         broker.dispose()
+    # Printed once the transaction has committed: a failure shows only its error, never a list
+    # of objects that were not in fact created.
+    print(f"apply {filename} to {shown} ({source})", file=out)
+    for change in the_plan.changes:
+        if change.action != "unchanged":
+            print(f"  {change.describe()}", file=out)
     _print_summary(the_plan, out, dry_run=args.dry_run)
     return EXIT_OK
 

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 import yaml
 
@@ -38,6 +38,8 @@ from airflow_broker.objects import Catalog
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
+
+    from airflow_broker.broker import Definitions
 
 #: The version of the file format this module reads (the optional top-level ``version`` key).
 FORMAT_VERSION: Final = 1
@@ -569,7 +571,7 @@ def _contract(r: _Reader, what: str, name: str, line: int, e: dict[str, yaml.Nod
         refs.append(Ref("message_types", type_name, _line(key_node), "message type"))
     if types and not any(s in ("initiator", "any") for s in types.values()):
         r.problem(
-            node,
+            e["name"],
             f"{what}: no message type may be sent by the initiator, so no dialog could ever start; "
             "mark at least one 'initiator' or 'any'",
         )
@@ -657,6 +659,10 @@ def _route(r: _Reader, what: str, name: str, line: int, e: dict[str, yaml.Node])
     node = e.get("mirror_address")
     if node is not None and not (isinstance(node, yaml.ScalarNode) and node.tag == _NULL):
         mirror = _address(r, node, f"{what}: mirror_address", keywords=False)
+        if broker_instance is None:
+            r.problem(
+                node, f"{what}: mirror_address needs a broker_instance (the mirrored pair's id)"
+            )
         if address in ADDRESS_KEYWORDS:
             r.problem(
                 node,
@@ -848,12 +854,15 @@ def _compare(
         )
         return ("refuse" if differences else "unchanged"), differences
     if isinstance(decl, QueueDecl):
-        pairs = []
+        pairs: list[tuple[str, Any, Any]] = []
         for key, wanted in decl.settings.items():
             have = getattr(current, key)
-            if key == "activation" and have is not None:
+            if key == "activation" and have is not None and wanted is not None:
+                # Name the activation settings that differ, not the whole clause.
                 have = {**Activation().to_dict(), **dict(have)}
-            pairs.append((key, have, wanted))
+                pairs.extend((f"activation.{k}", have.get(k), v) for k, v in wanted.items())
+            else:
+                pairs.append((key, have, wanted))
         differences = _diff(pairs)
         return ("alter" if differences else "unchanged"), differences
     if isinstance(decl, RouteDecl):
@@ -897,31 +906,7 @@ def _compare(
 # Applying
 
 
-class DefinitionVerbs(Protocol):
-    """The DDL verbs :func:`apply_plan` uses (``broker.definitions()`` and ``Broker`` have them)."""
-
-    def create_message_type(
-        self, name: str, validation: str = ..., json_schema: dict[str, Any] | None = ...
-    ) -> Any: ...
-
-    def create_contract(self, name: str, message_types: dict[str, str]) -> Any: ...
-
-    def create_queue(self, name: str, **settings: Any) -> Any: ...
-
-    def alter_queue(self, name: str, **settings: Any) -> Any: ...
-
-    def create_service(self, name: str, *, queue: str, contracts: Sequence[str]) -> Any: ...
-
-    def create_route(self, name: str, **settings: Any) -> Any: ...
-
-    def drop_route(self, name: str) -> Any: ...
-
-    def create_priority(self, name: str, **settings: Any) -> Any: ...
-
-    def drop_priority(self, name: str) -> Any: ...
-
-
-def apply_plan(p: Plan, d: DefinitionVerbs) -> None:
+def apply_plan(p: Plan, d: Definitions) -> None:
     """Run every change of the plan through ``d`` (one ``broker.definitions()`` transaction)."""
     for change in p.changes:
         if change.action == "unchanged":
