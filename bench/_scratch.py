@@ -52,7 +52,7 @@ class ScratchServer:
         self._created: list[str] = []
         self._templates: dict[str, str] = {}
 
-    def _admin_execute(self, statement: sql.Composable) -> None:
+    def _admin_execute(self, statement: sql.Composed) -> None:
         with psycopg.connect(self.admin.conninfo, autocommit=True) as conn:
             conn.execute(statement)
 

@@ -89,7 +89,7 @@ class ReaderPool:
         self, system: System, db: Database, workload: Workload, state: dict[str, Any], readers: int
     ) -> None:
         ctx = mp.get_context("spawn")
-        self.counter: Synchronized[int] = ctx.Value("q", 0)  # type: ignore[assignment]
+        self.counter: Synchronized[int] = ctx.Value("q", 0)
         self.results: Queue[tuple[str, Any]] = ctx.Queue()
         self.commands: list[Queue[int | None]] = [ctx.Queue() for _ in range(readers)]
         self.procs: list[BaseProcess] = [

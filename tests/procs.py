@@ -57,7 +57,10 @@ TEST_TABLES_DDL = (
         reader integer PRIMARY KEY,
         receives integer NOT NULL,
         empty_receives integer NOT NULL,
-        rolled_back integer NOT NULL
+        rolled_back integer NOT NULL,
+        slowest_receive double precision NOT NULL,
+        first_receive double precision NOT NULL,
+        finished double precision NOT NULL
     )
     """,
 )
@@ -139,6 +142,8 @@ def run_reader(plan: ReaderPlan, done: Event | None = None) -> None:
     rng = random.Random(plan.reader)
     deadline = time.monotonic() + plan.deadline_seconds
     receives = empty = rolled_back = quiet = 0
+    slowest = 0.0
+    first = time.monotonic()
     try:
         while True:
             if time.monotonic() > deadline:
@@ -151,9 +156,13 @@ def run_reader(plan: ReaderPlan, done: Event | None = None) -> None:
             messages: list[Message] = []
             try:
                 with broker.transaction() as tx:
+                    asked = time.monotonic()
                     messages = tx.receive(
                         plan.queue, top=rng.choice(plan.tops), wait_seconds=plan.wait_seconds
                     )
+                    took = time.monotonic() - asked
+                    if messages or not plan.wait_seconds:
+                        slowest = max(slowest, took)
                     if messages:
                         started = time.monotonic()
                         _record(tx_connection(tx), plan.reader, receives, messages)
@@ -177,10 +186,18 @@ def run_reader(plan: ReaderPlan, done: Event | None = None) -> None:
         with counter.begin() as conn:
             conn.execute(
                 text(
-                    "INSERT INTO test_reader_stats (reader, receives, empty_receives, rolled_back) "
-                    "VALUES (:r, :n, :e, :b)"
+                    "INSERT INTO test_reader_stats (reader, receives, empty_receives, rolled_back, "
+                    "slowest_receive, first_receive, finished) VALUES (:r, :n, :e, :b, :s, :f, :d)"
                 ),
-                {"r": plan.reader, "n": receives, "e": empty, "b": rolled_back},
+                {
+                    "r": plan.reader,
+                    "n": receives,
+                    "e": empty,
+                    "b": rolled_back,
+                    "s": slowest,
+                    "f": first,
+                    "d": time.monotonic(),
+                },
             )
     finally:
         counter.dispose()
@@ -237,22 +254,24 @@ def hold_received(url: str, queue: str, pipe: PipeEnd, deadline_seconds: float =
         time.sleep(300 if messages else 0)
 
 
-def timed_receive(url: str, queue: str, wait_seconds: float, pipe: PipeEnd) -> None:
-    """Report ``("ready", t)`` just before a waiting RECEIVE, then ``("done", t0, t1, bodies)``.
+def timed_receive(url: str, queue: str, rounds: int, wait_seconds: float, pipe: PipeEnd) -> None:
+    """``rounds`` times: report ``("ready",)``, then RECEIVE waiting up to ``wait_seconds``, then
+    report ``("done", t0, t1, bodies)``.
 
-    ``t0``/``t1`` are ``time.monotonic()`` just before the RECEIVE and just after it returned;
-    the connection, the catalog and any LISTEN are warmed up by one RECEIVE beforehand.
+    ``t0``/``t1`` are ``time.monotonic()`` just before the RECEIVE and just after it returned.
+    The connection and the catalog are warmed up by one RECEIVE beforehand.
     """
     broker = Broker.connect(url)
     try:
         with broker.transaction() as tx:
             tx.receive(queue)
-        with broker.transaction() as tx:
-            pipe.send(("ready", time.monotonic()))
-            t0 = time.monotonic()
-            messages = tx.receive(queue, wait_seconds=wait_seconds)
-            t1 = time.monotonic()
-        pipe.send(("done", t0, t1, [m.json() for m in messages]))
+        for _ in range(rounds):
+            with broker.transaction() as tx:
+                pipe.send(("ready",))
+                t0 = time.monotonic()
+                messages = tx.receive(queue, wait_seconds=wait_seconds)
+                t1 = time.monotonic()
+            pipe.send(("done", t0, t1, [m.json() for m in messages]))
     finally:
         broker.dispose()
 

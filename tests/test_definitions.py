@@ -76,10 +76,14 @@ def test_migrate_creates_default_message_type_contract_and_local_route(broker: B
 # --------------------------------------------------------------------------- message types
 
 
-@pytest.mark.parametrize("validation", ["none", "empty", "json", "well_formed_xml"])
-def test_create_message_type_stores_validation(broker: Broker, validation: str) -> None:
-    broker.create_message_type("//t/M", validation=validation)
-    assert broker.catalog().message_types["//t/M"] == MessageTypeDef("//t/M", validation, None)
+def test_create_message_type_stores_validation(broker: Broker) -> None:
+    kinds = ["none", "empty", "json", "well_formed_xml"]
+    for kind in kinds:
+        broker.create_message_type(f"//t/{kind}", validation=kind)
+    stored = broker.catalog().message_types
+    assert [stored[f"//t/{kind}"] for kind in kinds] == [
+        MessageTypeDef(f"//t/{kind}", kind, None) for kind in kinds
+    ]
 
 
 def test_create_message_type_defaults_to_no_validation(broker: Broker) -> None:
@@ -467,6 +471,9 @@ def test_drop_unknown_route_raises_unknown_object(broker: Broker) -> None:
 
 
 def test_create_priority(broker: Broker) -> None:
+    broker.create_queue("q")
+    broker.create_service("//t/L", queue="q")
+    # The remote service is only a name (it lives in another broker): it need not exist here.
     broker.create_priority(
         "rush", contract=DEFAULT, local_service="//t/L", remote_service="//t/R", priority=9
     )
@@ -475,16 +482,27 @@ def test_create_priority(broker: Broker) -> None:
     )
 
 
+def test_create_priority_with_unknown_contract_or_local_service(broker: Broker) -> None:
+    with pytest.raises(UnknownObject, match=named("//t/NoContract")):
+        broker.create_priority("rush", contract="//t/NoContract", priority=9)
+    with pytest.raises(UnknownObject, match=named("//t/NoService")):
+        broker.create_priority("rush", local_service="//t/NoService", priority=9)
+    assert broker.catalog().priorities == {}
+
+
 def test_create_priority_defaults(broker: Broker) -> None:
     broker.create_priority("any_five")
     assert broker.catalog().priorities["any_five"] == PriorityDef("any_five", None, None, None, 5)
 
 
-@pytest.mark.parametrize("level", [0, 11, -1])
-def test_priority_outside_1_to_10_is_invalid(broker: Broker, level: int) -> None:
-    with pytest.raises(InvalidDefinition, match=named("bad_priority")):
-        broker.create_priority("bad_priority", priority=level)
+def test_priority_outside_1_to_10_is_invalid(broker: Broker) -> None:
+    for level in (0, 11, -1):
+        with pytest.raises(InvalidDefinition, match=named("bad_priority")):
+            broker.create_priority("bad_priority", priority=level)
     assert "bad_priority" not in broker.catalog().priorities
+    broker.create_priority("low", priority=1)
+    broker.create_priority("high", priority=10)
+    assert [broker.catalog().priorities[n].priority for n in ("low", "high")] == [1, 10]
 
 
 def test_create_existing_priority_raises_object_exists(broker: Broker) -> None:

@@ -10,22 +10,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
-
-from airflow_broker import (
-    DEFAULT,
-    DIALOG_TIMER,
-    END_DIALOG,
-    ERROR,
-    Broker,
-    BrokerError,
-    ContractViolation,
-    ConversationEnded,
-    MessageValidationError,
-    UnknownObject,
-)
-from airflow_broker.constants import ERR_CONTRACT_NOT_SUPPORTED, ERR_LIFETIME_EXPIRED
-from airflow_broker.objects import ConversationEndpoint
-from tests.helpers import (
+from helpers import (
     BUYER,
     BUYER_QUEUE,
     CONTRACT,
@@ -43,6 +28,21 @@ from tests.helpers import (
     send,
     types,
 )
+
+from airflow_broker import (
+    DEFAULT,
+    DIALOG_TIMER,
+    END_DIALOG,
+    ERROR,
+    Broker,
+    BrokerError,
+    ContractViolation,
+    ConversationEnded,
+    MessageValidationError,
+    UnknownObject,
+)
+from airflow_broker.constants import ERR_CONTRACT_NOT_SUPPORTED, ERR_LIFETIME_EXPIRED
+from airflow_broker.objects import ConversationEndpoint
 
 NOWHERE = "//nowhere/Service"
 
@@ -649,9 +649,7 @@ def test_move_conversation_between_groups_of_one_queue(broker: Broker) -> None:
     send(broker, t1, INVOICE, {"n": 1})
     send(broker, t2, INVOICE, {"n": 2})
     got = receive(broker, BUYER_QUEUE)
-    assert sorted((m.conversation_handle, m.json()["n"]) for m in got) == sorted(
-        [(h1, 1), (h2, 2)]
-    )
+    assert sorted((m.conversation_handle, m.json()["n"]) for m in got) == sorted([(h1, 1), (h2, 2)])
     assert {m.conversation_group_id for m in got} == {g1}
 
 
