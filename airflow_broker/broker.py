@@ -1578,7 +1578,6 @@ class _DueWork:
         self.conn.execute(
             delete(g).where(
                 ~exists().where(e.c.conversation_group_id == g.c.conversation_group_id),
-                ~exists().where(s.message.c.conversation_group_id == g.c.conversation_group_id),
             )
         )
         return result.rowcount or 0
@@ -1940,7 +1939,22 @@ class Transaction:
             by_group=conversation_group is not None,
             retention=q.retention,
         )
-        rows = self._wait_for(q, wait_seconds, lambda: self._execute(stmt, params).all())
+        by_handle, by_group = conversation_handle is not None, conversation_group is not None
+
+        def claim() -> list[Any]:
+            rows: list[Any] = self._execute(stmt, params).all()
+            if rows or self.broker.dialect != "postgresql":
+                return rows
+            ready = queries.ready_exists_statement(by_handle=by_handle, by_group=by_group)
+            for _ in range(queries.CLAIM_ATTEMPTS - 1):
+                if self._execute(ready, params).first() is None:
+                    break
+                rows = self._execute(stmt, params).all()
+                if rows:
+                    break
+            return rows
+
+        rows = self._wait_for(q, wait_seconds, claim)
         if not rows:
             return []
         self._dirty = True

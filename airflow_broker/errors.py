@@ -13,7 +13,7 @@ class BrokerError(Exception):
 
 
 class UnknownObject(BrokerError, LookupError):
-    """A named object (queue, service, contract, message type, route, conversation...) does not exist."""
+    """A named object (queue, service, contract, message type, conversation...) does not exist."""
 
 
 class ObjectExists(BrokerError):
@@ -21,7 +21,7 @@ class ObjectExists(BrokerError):
 
 
 class InvalidDefinition(BrokerError, ValueError):
-    """A definition or argument is malformed or inconsistent (bad validation kind, bad schema...)."""
+    """A definition or argument is malformed or inconsistent (bad validation, bad schema...)."""
 
 
 class ContractViolation(BrokerError):

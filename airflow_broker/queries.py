@@ -145,3 +145,25 @@ def lock_group_statement(
 def no_limit(dialect: str) -> int | None:
     """The ``:top`` value that means "all messages of the group"."""
     return None if dialect == "postgresql" else -1
+
+
+@cache
+def ready_exists_statement(*, by_handle: bool = False, by_group: bool = False) -> TextClause:
+    """Whether ready messages exist (for RECEIVE's retry after an empty claim, see below)."""
+    where = "m.queue_id = :queue_id AND m.status = 1"
+    if by_handle:
+        where += " AND m.conversation_handle = :handle"
+    if by_group:
+        where += " AND m.conversation_group_id = :group_id"
+    return _typed(
+        f"SELECT 1 FROM broker_message m WHERE {where} LIMIT 1",
+        by_handle=by_handle,
+        by_group=by_group,
+    )
+
+
+#: On PostgreSQL a claim can come back empty although ready messages exist in an unlocked group:
+#: another reader committed between this statement's snapshot and its lock on the group, so the
+#: group it locked holds only messages that are already gone. A new statement has a new snapshot;
+#: RECEIVE runs the claim again, at most this many times in all, while ready messages exist.
+CLAIM_ATTEMPTS = 4

@@ -252,8 +252,17 @@ message = Table(
         postgresql_where=text("status = 1"),
         sqlite_where=text("status = 1"),
     ),
-    # ... then takes the ready messages of that one group.
-    Index("ix_broker_message_group", "conversation_group_id", "status"),
+    # ... then takes the ready messages of that one group, in the order RECEIVE returns them.
+    Index(
+        "ix_broker_message_group",
+        "conversation_group_id",
+        text("priority DESC"),
+        "precedence",
+        "conversation_handle",
+        "message_sequence_number",
+        postgresql_where=text("status = 1"),
+        sqlite_where=text("status = 1"),
+    ),
     comment="The contents of every queue.",
 )
 

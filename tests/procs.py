@@ -1,9 +1,9 @@
 """Worker functions for the PostgreSQL multi-process tests (``test_concurrency_pg.py``).
 
-Every function here runs in a child process started with the ``spawn`` context, so each is a
-module-level function whose arguments pickle (URLs, plans, ``multiprocessing`` events and pipe
-ends). A child opens its own :class:`~airflow_broker.Broker`: nothing is shared with the parent but
-the database.
+Every function here runs in a child process started from a fresh interpreter (the ``forkserver``
+context; ``spawn`` works too), so each is a module-level function whose arguments pickle (URLs,
+plans, ``multiprocessing`` events and pipe ends). A child opens its own
+:class:`~airflow_broker.Broker`: nothing is shared with the parent but the database.
 
 What a reader received is written to ``test_received`` **in the receiving transaction**, through
 that transaction's own connection, so the rows commit (or vanish) together with the RECEIVE: a
@@ -39,7 +39,15 @@ TEST_TABLES_DDL = (
         conversation_handle uuid NOT NULL,
         conversation_group_id uuid NOT NULL,
         message_sequence_number bigint NOT NULL,
-        n integer
+        n integer,
+        src text,
+        received_at double precision NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS test_sent (
+        round integer PRIMARY KEY,
+        committed_at double precision NOT NULL
     )
     """,
     """
@@ -50,6 +58,13 @@ TEST_TABLES_DDL = (
         started double precision NOT NULL,
         ended double precision NOT NULL,
         messages integer NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS test_empty_receive (
+        id bigserial PRIMARY KEY,
+        reader integer NOT NULL,
+        groups_ready integer NOT NULL
     )
     """,
     """
@@ -67,8 +82,9 @@ TEST_TABLES_DDL = (
 
 _INSERT_RECEIVED = text(
     "INSERT INTO test_received (reader, receive_no, conversation_handle, conversation_group_id, "
-    "message_sequence_number, n) VALUES (:reader, :receive_no, :conversation_handle, "
-    ":conversation_group_id, :message_sequence_number, :n)"
+    "message_sequence_number, n, src, received_at) VALUES (:reader, :receive_no, "
+    ":conversation_handle, :conversation_group_id, :message_sequence_number, :n, :src, "
+    ":received_at)"
 )
 _INSERT_HOLD = text(
     "INSERT INTO test_hold (reader, conversation_group_id, started, ended, messages) "
@@ -98,6 +114,12 @@ def body_n(message: Message) -> int | None:
     """The ``n`` the tests put in every body (``{"n": 3}``), None for a body-less message."""
     body = message.json()
     return body.get("n") if isinstance(body, dict) else None
+
+
+def body_src(message: Message) -> str | None:
+    """Who sent the message, when the body says (``{"n": 3, "src": "sender"}``)."""
+    body = message.json()
+    return body.get("src") if isinstance(body, dict) else None
 
 
 class _Rollback(Exception):
@@ -177,6 +199,9 @@ def run_reader(plan: ReaderPlan, done: Event | None = None) -> None:
                 continue
             if messages:
                 quiet = 0
+                # now and then, so that a reader fed duplicates forever still stops
+                if receives % 10 == 0 and _count(counter) >= plan.expected:
+                    break
                 continue
             empty += 1
             quiet = quiet + 1 if done_before else 0
@@ -204,35 +229,107 @@ def run_reader(plan: ReaderPlan, done: Event | None = None) -> None:
         broker.dispose()
 
 
+def run_greedy_reader(
+    url: str,
+    queue: str,
+    reader: int,
+    readers: int,
+    top: int | None = None,
+    deadline_seconds: float = 60.0,
+) -> None:
+    """RECEIVE without waiting and commit at once, until the queue is empty; nothing is sent
+    meanwhile, so the set of conversation groups with ready messages only shrinks.
+
+    After every empty RECEIVE it counts those groups and writes the count to
+    ``test_empty_receive``. At most ``readers - 1`` other readers hold a group at any moment, so
+    a count of ``readers`` or more means that an unlocked group with ready messages existed all
+    through the RECEIVE that came back empty. Stops when the count is 0.
+    """
+    broker = Broker.connect(url)
+    counter = _plain_engine(url)
+    deadline = time.monotonic() + deadline_seconds
+    receive_no = 0
+    try:
+        while time.monotonic() < deadline:
+            receive_no += 1
+            with broker.transaction() as tx:
+                messages = tx.receive(queue, top=top)
+                if messages:
+                    _record(tx_connection(tx), reader, receive_no, messages)
+            if messages:
+                continue
+            with counter.begin() as conn:
+                ready = int(
+                    conn.execute(
+                        text(
+                            "SELECT count(DISTINCT m.conversation_group_id) FROM broker_message m "
+                            "JOIN broker_queue q ON q.queue_id = m.queue_id "
+                            "WHERE q.name = :q AND m.status = 1"
+                        ),
+                        {"q": queue},
+                    ).scalar_one()
+                )
+                conn.execute(
+                    text("INSERT INTO test_empty_receive (reader, groups_ready) VALUES (:r, :g)"),
+                    {"r": reader, "g": ready},
+                )
+            if ready == 0:
+                return
+            time.sleep(0.005)
+        raise TimeoutError(f"reader {reader}: the queue was not empty after {deadline_seconds} s")
+    finally:
+        counter.dispose()
+        broker.dispose()
+
+
 def run_sender(
     url: str,
     from_service: str,
     to_service: str,
     dialogs: int,
     messages: int,
-    pause_seconds: float,
     go: Event,
     done: Event,
+    pace_timeout: float = 20.0,
 ) -> None:
-    """Once ``go`` is set, begin ``dialogs`` dialogs and send ``messages`` to each, ``{"n": k}``.
+    """Once ``go`` is set, begin ``dialogs`` dialogs and send each ``messages`` bodies
+    ``{"n": k, "src": "sender"}``, message ``k`` of every dialog in transaction ``k``.
 
-    Message ``k`` of every dialog goes in transaction ``k``, with a pause between transactions, so
-    that a dialog's later messages arrive while readers are working on its earlier ones.
+    The sender keeps pace with the readers: it sends round ``k + 1`` only once a reader has
+    committed a message of round ``k``, so every dialog's later messages arrive while readers are
+    working on its earlier ones, whatever the machine's speed. Each round's commit time goes to
+    ``test_sent``.
     """
     broker = Broker.connect(url)
+    engine = _plain_engine(url)
     try:
         if not go.wait(60):
             raise TimeoutError("sender: nobody said go within 60 s")
         handles: list[uuid.UUID] = []
-        with broker.transaction() as tx:
-            handles = [tx.begin_dialog(from_service, to_service) for _ in range(dialogs)]
-            tx.send(handles, body={"n": 0})
-        for k in range(1, messages):
-            time.sleep(pause_seconds)
+        for k in range(messages):
             with broker.transaction() as tx:
-                tx.send(handles, body={"n": k})
+                if k == 0:
+                    handles = [tx.begin_dialog(from_service, to_service) for _ in range(dialogs)]
+                tx.send(handles, body={"n": k, "src": "sender"})
+            committed = time.monotonic()
+            with engine.begin() as conn:
+                conn.execute(
+                    text("INSERT INTO test_sent (round, committed_at) VALUES (:k, :t)"),
+                    {"k": k, "t": committed},
+                )
+            deadline = time.monotonic() + pace_timeout
+            while k + 1 < messages and time.monotonic() < deadline:
+                with engine.connect() as conn:
+                    seen = conn.execute(
+                        text("SELECT 1 FROM test_received WHERE src = 'sender' AND n = :k LIMIT 1"),
+                        {"k": k},
+                    ).first()
+                if seen:
+                    break
+                time.sleep(0.01)
         done.set()
     finally:
+        engine.dispose()
         broker.dispose()
 
 
@@ -286,6 +383,7 @@ def _count(engine: Engine) -> int:
 
 
 def _record(conn: Connection, reader: int, receive_no: int, messages: list[Message]) -> None:
+    now = time.monotonic()
     rows: list[dict[str, Any]] = [
         {
             "reader": reader,
@@ -294,6 +392,8 @@ def _record(conn: Connection, reader: int, receive_no: int, messages: list[Messa
             "conversation_group_id": m.conversation_group_id,
             "message_sequence_number": m.message_sequence_number,
             "n": body_n(m),
+            "src": body_src(m),
+            "received_at": now,
         }
         for m in messages
     ]

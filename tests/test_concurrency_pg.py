@@ -7,6 +7,7 @@ read only committed truth.
 
 - many readers drain many dialogs: every message exactly once, each dialog in order;
 - two readers never hold one conversation group at the same time;
+- a RECEIVE comes back empty only when every group with ready messages is locked;
 - a reader killed with SIGKILL while holding messages loses none of them;
 - five killed readers in a row disable the queue (poison handling), four do not;
 - a waiting RECEIVE wakes as soon as another process commits a SEND.
@@ -152,7 +153,8 @@ def _assert_exactly_once_in_order(rows: list[Any], *, dialogs: int, messages: in
 
 @pytest.mark.timeout(150)
 def test_four_readers_drain_120_dialogs_exactly_once_in_order(pg_url: str, spawn: Spawner) -> None:
-    """4 readers, 120 dialogs x 10 messages: half sent up front, half while the readers read.
+    """4 readers, 120 dialogs x 10 messages: half sent up front, half while the readers read
+    (the sending process keeps pace with them, see :func:`procs.run_sender`).
 
     Readers take a random ``top`` each time and roll back one transaction in ten (poison
     handling is off on this queue), so messages also go back to the queue and are taken again.
@@ -173,7 +175,6 @@ def test_four_readers_drain_120_dialogs_exactly_once_in_order(pg_url: str, spawn
             TARGET_SERVICE,
             dialogs // 2,
             messages,
-            0.05,
             go,
             done,
         )
@@ -215,6 +216,15 @@ def test_four_readers_drain_120_dialogs_exactly_once_in_order(pg_url: str, spawn
         print(f"\ndrained {len(rows)} messages with {readers} readers in {elapsed:.1f} s: {stats}")
         assert len({r.reader for r in rows}) >= 2, "only one reader ever received anything"
         assert sum(s.rolled_back for s in stats) > 0, "no transaction was rolled back"
+        # the scenario really happened: each round of the sender's dialogs was being received
+        # before the next round was sent
+        interleaved = _query(
+            pg_url,
+            "SELECT s.round FROM test_sent s WHERE NOT EXISTS (SELECT 1 FROM test_received r "
+            "WHERE r.src = 'sender' AND r.n = s.round - 1 AND r.received_at < s.committed_at) "
+            "AND s.round > 0",
+        )
+        assert not interleaved, f"rounds sent before the previous one was received: {interleaved}"
     finally:
         broker.dispose()
 
@@ -308,6 +318,46 @@ def test_two_readers_never_hold_one_conversation_group_at_once(pg_url: str, spaw
         broker.dispose()
 
 
+@pytest.mark.timeout(120)
+def test_receive_is_never_empty_while_an_unlocked_group_is_ready(
+    pg_url: str, spawn: Spawner
+) -> None:
+    """RECEIVE without WAITFOR takes "the highest-priority unlocked group with messages": it
+    returns nothing only when every group with ready messages is locked by someone else.
+
+    4 readers drain 200 single-dialog groups one message at a time, committing at once. After
+    each empty RECEIVE the reader counts the groups that still have ready messages; with no
+    SENDs and no rollbacks that set only shrinks, and at most 3 other readers hold a group, so a
+    count of 4 or more proves an unlocked group was ready all through the empty RECEIVE. (A
+    reader that stops at its first empty RECEIVE, as activated readers do, would leave those
+    messages behind.)
+    """
+    dialogs, messages, readers = 200, 3, 4
+    broker = Broker.connect(pg_url)
+    try:
+        _setup_services(broker)
+        procs.create_test_tables(pg_url)
+        _send_dialogs(broker, dialogs, messages)
+        workers = [
+            spawn(procs.run_greedy_reader, pg_url, TARGET_QUEUE, i, readers, 1)
+            for i in range(readers)
+        ]
+        _join_all(workers, timeout=80)
+        rows = _received_rows(pg_url)
+        _assert_exactly_once_in_order(rows, dialogs=dialogs, messages=messages)
+        empties = [
+            r.groups_ready for r in _query(pg_url, "SELECT groups_ready FROM test_empty_receive")
+        ]
+        spurious = [g for g in empties if g >= readers]
+        print(f"\n{len(rows)} messages, {len(empties)} empty RECEIVEs, spurious: {spurious}")
+        assert not spurious, (
+            f"{len(spurious)} RECEIVEs came back empty while at least {readers} groups (so at "
+            f"least one unlocked group) had ready messages; groups ready after each: {spurious}"
+        )
+    finally:
+        broker.dispose()
+
+
 def _hold_and_kill(
     spawn: Spawner, url: str, queue: str, timeout: float = 30
 ) -> list[tuple[uuid.UUID, int, int | None]]:
@@ -375,6 +425,13 @@ def _wait_for_status(
         time.sleep(0.1)
 
 
+def _counted(kills: int) -> Callable[[QueueStatus], bool]:
+    def ok(status: QueueStatus) -> bool:
+        return status.rollback_count >= kills
+
+    return ok
+
+
 @pytest.mark.timeout(120)
 def test_five_killed_readers_disable_the_queue_four_do_not(pg_url: str, spawn: Spawner) -> None:
     broker = Broker.connect(pg_url)
@@ -387,9 +444,7 @@ def test_five_killed_readers_disable_the_queue_four_do_not(pg_url: str, spawn: S
             assert poison is None or held == poison, "the same messages come back each time"
             poison = held
             if kill < 5:
-                status = _wait_for_status(
-                    broker, TARGET_QUEUE, lambda s, k=kill: s.rollback_count >= k
-                )
+                status = _wait_for_status(broker, TARGET_QUEUE, _counted(kill))
                 assert status.rollback_count == kill, f"after {kill} kills: {status}"
                 assert status.status, f"the queue was disabled after {kill} kills: {status}"
                 assert not [e for e in broker.events() if e.event == "queue_disabled"]

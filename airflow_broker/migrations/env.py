@@ -1,4 +1,4 @@
-"""Alembic environment: runs on the connection that ``Broker.migrate()`` (or the DB manager) hands in."""
+"""Alembic environment: runs on the connection ``Broker.migrate()`` (or the DB manager) hands in."""
 
 from __future__ import annotations
 

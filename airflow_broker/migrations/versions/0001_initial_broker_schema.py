@@ -276,8 +276,16 @@ def upgrade() -> None:
     op.create_index(
         "ix_broker_message_group",
         "broker_message",
-        ["conversation_group_id", "status"],
+        [
+            "conversation_group_id",
+            sa.literal_column("priority DESC"),
+            "precedence",
+            "conversation_handle",
+            "message_sequence_number",
+        ],
         unique=False,
+        postgresql_where=sa.text("status = 1"),
+        sqlite_where=sa.text("status = 1"),
     )
     op.create_index(
         "ix_broker_message_ready",
@@ -353,7 +361,12 @@ def downgrade() -> None:
         postgresql_where=sa.text("status = 1"),
         sqlite_where=sa.text("status = 1"),
     )
-    op.drop_index("ix_broker_message_group", table_name="broker_message")
+    op.drop_index(
+        "ix_broker_message_group",
+        table_name="broker_message",
+        postgresql_where=sa.text("status = 1"),
+        sqlite_where=sa.text("status = 1"),
+    )
     op.drop_index(op.f("ix_broker_message_conversation_handle"), table_name="broker_message")
     op.drop_table("broker_message")
     op.drop_table("broker_service_contract")
