@@ -243,26 +243,6 @@ message = Table(
     Column("validation", String(1), nullable=False),
     Column("message_body", LargeBinary, nullable=True),
     Column("enqueued_at", Timestamp, nullable=False),
-    # RECEIVE picks the highest-priority, oldest ready message whose group is not locked.
-    Index(
-        "ix_broker_message_ready",
-        "queue_id",
-        text("priority DESC"),
-        "queuing_order",
-        postgresql_where=text("status = 1"),
-        sqlite_where=text("status = 1"),
-    ),
-    # ... then takes the ready messages of that one group, in the order RECEIVE returns them.
-    Index(
-        "ix_broker_message_group",
-        "conversation_group_id",
-        text("priority DESC"),
-        "precedence",
-        "conversation_handle",
-        "message_sequence_number",
-        postgresql_where=text("status = 1"),
-        sqlite_where=text("status = 1"),
-    ),
     comment="The contents of every queue.",
 )
 
@@ -308,6 +288,27 @@ event = Table(
     Column("detail", Text, nullable=False),
     Index("ix_broker_event_occurred_at", "occurred_at"),
     comment="What the broker did on its own: queues disabled by poison handling, and so on.",
+)
+
+# RECEIVE picks the highest-priority, oldest ready message whose group is not locked ...
+Index(
+    "ix_broker_message_ready",
+    message.c.queue_id,
+    message.c.priority.desc(),
+    message.c.queuing_order,
+    postgresql_where=text("status = 1"),
+    sqlite_where=text("status = 1"),
+)
+# ... then takes the ready messages of that one group, in the order RECEIVE returns them.
+Index(
+    "ix_broker_message_group",
+    message.c.conversation_group_id,
+    message.c.priority.desc(),
+    message.c.precedence,
+    message.c.conversation_handle,
+    message.c.message_sequence_number,
+    postgresql_where=text("status = 1"),
+    sqlite_where=text("status = 1"),
 )
 
 receive_lease = Table(

@@ -76,16 +76,6 @@ def end(
         )
 
 
-# --------------------------------------------------------------------------- constants
-
-
-def test_system_message_type_constants() -> None:
-    assert DEFAULT == "DEFAULT"
-    assert END_DIALOG == "http://schemas.microsoft.com/SQL/ServiceBroker/EndDialog"
-    assert ERROR == "http://schemas.microsoft.com/SQL/ServiceBroker/Error"
-    assert DIALOG_TIMER == "http://schemas.microsoft.com/SQL/ServiceBroker/DialogTimer"
-
-
 # --------------------------------------------------------------------------- BEGIN DIALOG
 
 
@@ -119,45 +109,30 @@ def test_begin_dialog_with_lifetime_sets_expiry(broker: Broker) -> None:
     assert before + timedelta(seconds=599) <= lifetime <= after + timedelta(seconds=601)
 
 
-def test_each_dialog_gets_its_own_group_by_default(broker: Broker) -> None:
-    g1 = endpoint(broker, begin(broker)).conversation_group_id
-    g2 = endpoint(broker, begin(broker)).conversation_group_id
-    assert g1 != g2
-
-
-def test_begin_dialog_related_conversation_joins_its_group(broker: Broker) -> None:
-    h1 = begin(broker)
-    h2 = begin(broker, related_conversation=h1)
-    assert endpoint(broker, h2).conversation_group_id == endpoint(broker, h1).conversation_group_id
-
-
-def test_begin_dialog_related_conversation_group_joins_existing_group(broker: Broker) -> None:
+def test_begin_dialog_groups(broker: Broker) -> None:
     h1 = begin(broker)
     g1 = endpoint(broker, h1).conversation_group_id
-    h2 = begin(broker, related_conversation_group=g1)
-    assert endpoint(broker, h2).conversation_group_id == g1
-
-
-def test_begin_dialog_related_conversation_group_creates_new_group(broker: Broker) -> None:
+    # Each dialog gets its own group by default.
+    assert endpoint(broker, begin(broker)).conversation_group_id != g1
+    # related_conversation joins that conversation's group.
+    assert endpoint(broker, begin(broker, related_conversation=h1)).conversation_group_id == g1
+    # related_conversation_group joins an existing group...
+    h3 = begin(broker, related_conversation_group=g1)
+    assert endpoint(broker, h3).conversation_group_id == g1
+    # ... or creates a group with that id.
     group = uuid.uuid4()
-    h1 = begin(broker, related_conversation_group=group)
-    h2 = begin(broker, related_conversation_group=group)
-    assert endpoint(broker, h1).conversation_group_id == group
-    assert endpoint(broker, h2).conversation_group_id == group
+    h4 = begin(broker, related_conversation_group=group)
+    h5 = begin(broker, related_conversation_group=group)
+    assert endpoint(broker, h4).conversation_group_id == group
+    assert endpoint(broker, h5).conversation_group_id == group
 
 
-def test_begin_dialog_unknown_related_conversation(broker: Broker) -> None:
+def test_begin_dialog_refusals(broker: Broker) -> None:
     missing = uuid.uuid4()
     with pytest.raises(UnknownObject, match=str(missing)):
         begin(broker, related_conversation=missing)
-
-
-def test_begin_dialog_from_unknown_service(broker: Broker) -> None:
     with pytest.raises(UnknownObject, match="//po/Ghost"), broker.transaction() as tx:
         tx.begin_dialog("//po/Ghost", SUPPLIER, contract=CONTRACT)
-
-
-def test_begin_dialog_on_unknown_contract(broker: Broker) -> None:
     with pytest.raises(UnknownObject, match="//po/NoContract"), broker.transaction() as tx:
         tx.begin_dialog(BUYER, SUPPLIER, contract="//po/NoContract")
 
@@ -216,9 +191,10 @@ def test_default_contract_dialog(broker: Broker) -> None:
         h = tx.begin_dialog(BUYER, "//po/Plain")
         tx.send(h, body="hi")
     [m] = receive(broker, SUPPLIER_QUEUE)
+    assert DEFAULT == "DEFAULT"
     assert (m.message_type_name, m.service_contract_name, m.service_name) == (
-        DEFAULT,
-        DEFAULT,
+        "DEFAULT",
+        "DEFAULT",
         "//po/Plain",
     )
     assert m.message_body == b"hi"
@@ -298,12 +274,6 @@ def test_send_to_several_handles_is_atomic_on_contract_violation(broker: Broker)
     assert depth(broker, SUPPLIER_QUEUE) == 0
     assert endpoint(broker, h1).send_sequence == before
     assert endpoint(broker, h2).state == "SO"
-
-
-def test_send_on_unknown_handle(broker: Broker) -> None:
-    missing = uuid.uuid4()
-    with pytest.raises(UnknownObject, match=str(missing)):
-        send(broker, missing, NOTE, b"x")
 
 
 def test_send_sequence_counts_sends(broker: Broker) -> None:
@@ -445,10 +415,19 @@ def test_target_endpoint_fields(broker: Broker) -> None:
     assert (target.state, target.state_desc) == ("CO", "CONVERSING")
 
 
-def test_conversation_unknown_handle(broker: Broker) -> None:
+def test_unknown_handle_everywhere(broker: Broker) -> None:
+    g = endpoint(broker, begin(broker)).conversation_group_id
     missing = uuid.uuid4()
     with pytest.raises(UnknownObject, match=str(missing)):
         endpoint(broker, missing)
+    with pytest.raises(UnknownObject, match=str(missing)):
+        send(broker, missing, NOTE, b"x")
+    with pytest.raises(UnknownObject, match=str(missing)):
+        end(broker, missing)
+    with pytest.raises(UnknownObject, match=str(missing)), broker.transaction() as tx:
+        tx.begin_conversation_timer(missing, 1)
+    with pytest.raises(UnknownObject, match=str(missing)), broker.transaction() as tx:
+        tx.move_conversation(missing, g)
 
 
 def test_plain_end_both_sides(broker: Broker) -> None:
@@ -457,8 +436,9 @@ def test_plain_end_both_sides(broker: Broker) -> None:
     ep = endpoint(broker, h)
     assert (ep.state, ep.state_desc) == ("DO", "DISCONNECTED_OUTBOUND")
     [m] = receive(broker, SUPPLIER_QUEUE)
+    assert END_DIALOG == "http://schemas.microsoft.com/SQL/ServiceBroker/EndDialog"
     assert (m.message_type_name, m.message_body, m.conversation_handle) == (
-        END_DIALOG,
+        "http://schemas.microsoft.com/SQL/ServiceBroker/EndDialog",
         None,
         target,
     )
@@ -519,7 +499,8 @@ def test_end_with_error(broker: Broker) -> None:
     ep = endpoint(broker, h)
     assert (ep.state, ep.state_desc) == ("CD", "CLOSED")
     [m] = receive(broker, SUPPLIER_QUEUE)
-    assert m.message_type_name == ERROR
+    assert ERROR == "http://schemas.microsoft.com/SQL/ServiceBroker/Error"
+    assert m.message_type_name == "http://schemas.microsoft.com/SQL/ServiceBroker/Error"
     assert m.conversation_handle == target
     assert m.error == (50001, "out of stock: A-1")
     ep = endpoint(broker, target)
@@ -561,12 +542,6 @@ def test_end_with_cleanup(broker: Broker) -> None:
     assert drain(broker, SUPPLIER_QUEUE) == []
 
 
-def test_end_unknown_handle(broker: Broker) -> None:
-    missing = uuid.uuid4()
-    with pytest.raises(UnknownObject, match=str(missing)):
-        end(broker, missing)
-
-
 # --------------------------------------------------------------------------- lifetime
 
 
@@ -597,42 +572,40 @@ def test_lifetime_expiry_errors_both_sides(broker: Broker) -> None:
 # --------------------------------------------------------------------------- conversation timers
 
 
-def test_conversation_timer_rearm_and_fire_locally(broker: Broker) -> None:
-    h, _target = open_order(broker)
-    with broker.transaction() as tx:
-        tx.begin_conversation_timer(h, 1)
-    with broker.transaction() as tx:
-        tx.begin_conversation_timer(h, 3600)  # re-arming replaces the 1 s timer
-    time.sleep(1.1)
-    broker.run_due()
-    assert receive(broker, BUYER_QUEUE) == []
-
-    with broker.transaction() as tx:
-        tx.begin_conversation_timer(h, 1)
-    time.sleep(1.1)
-    broker.run_due()
-    [m] = receive(broker, BUYER_QUEUE)
-    assert (m.message_type_name, m.message_body, m.conversation_handle) == (DIALOG_TIMER, None, h)
-    # The timer fires once, on the local side only; the dialog is still open.
-    broker.run_due()
-    assert receive(broker, BUYER_QUEUE) == []
-    assert drain(broker, SUPPLIER_QUEUE) == []
-    assert endpoint(broker, h).state == "CO"
-
-
-def test_timer_then_error_then_rest(broker: Broker) -> None:
+def test_conversation_timer(broker: Broker) -> None:
     h, target = open_order(broker)
     with broker.transaction() as tx:
-        tx.begin_conversation_timer(h, 1)
-    send(broker, target, INVOICE, {"n": 1}, {"n": 2})
-    end(broker, target, error_code=50003, error_description="supplier closed")
-    time.sleep(1.1)
+        tx.begin_conversation_timer(h, 0.5)
+    with broker.transaction() as tx:
+        tx.begin_conversation_timer(h, 3600)  # re-arming replaces the 0.5 s timer
+    time.sleep(0.6)
     broker.run_due()
+    assert receive(broker, BUYER_QUEUE) == []
+
+    with broker.transaction() as tx:
+        tx.begin_conversation_timer(h, 0.5)
+    send(broker, target, INVOICE, {"n": 1}, {"n": 2})
+    time.sleep(0.6)
+    broker.run_due()
+    broker.run_due()
+    # The timer fired once, on the local side only; the dialog is still open.
+    assert endpoint(broker, h).state == "CO"
+    assert depth(broker, SUPPLIER_QUEUE) == 0
+    end(broker, target, error_code=50003, error_description="supplier closed")
+
     got = receive(broker, BUYER_QUEUE)
-    # Queued as Invoice, Invoice, Error, DialogTimer; received Timer, Error, then the rest.
-    assert types(got) == [DIALOG_TIMER, ERROR, INVOICE, INVOICE]
+    # Queued as Invoice, Invoice, DialogTimer, Error; received Timer, Error, then the rest.
+    assert DIALOG_TIMER == "http://schemas.microsoft.com/SQL/ServiceBroker/DialogTimer"
+    assert types(got) == [
+        "http://schemas.microsoft.com/SQL/ServiceBroker/DialogTimer",
+        ERROR,
+        INVOICE,
+        INVOICE,
+    ]
+    assert (got[0].message_body, got[0].conversation_handle) == (None, h)
     assert got[1].error == (50003, "supplier closed")
     assert [m.json()["n"] for m in got[2:]] == [1, 2]
+    assert receive(broker, BUYER_QUEUE) == []
 
 
 # --------------------------------------------------------------------------- MOVE CONVERSATION
@@ -660,13 +633,6 @@ def test_move_conversation_to_other_queue_is_refused(broker: Broker) -> None:
     with broker.transaction() as tx, pytest.raises(BrokerError):
         tx.move_conversation(h, supplier_group)
     assert endpoint(broker, h).conversation_group_id == g
-
-
-def test_move_unknown_conversation(broker: Broker) -> None:
-    g = endpoint(broker, begin(broker)).conversation_group_id
-    missing = uuid.uuid4()
-    with pytest.raises(UnknownObject, match=str(missing)), broker.transaction() as tx:
-        tx.move_conversation(missing, g)
 
 
 # --------------------------------------------------------------------------- disabled target queue
