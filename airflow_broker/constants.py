@@ -56,3 +56,8 @@ PRECEDENCE_NORMAL: Final = 2
 
 VALIDATIONS: Final = ("none", "empty", "json", "json_schema", "well_formed_xml")
 SENT_BY: Final = ("initiator", "target", "any")
+
+
+def state_desc(state: str) -> str:
+    """The spelled-out name of an endpoint state code."""
+    return STATE_DESC.get(state, state)

@@ -46,6 +46,13 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def aware(value: datetime | None) -> datetime | None:
+    """SQLite returns naive datetimes for timezone-aware columns: they are UTC."""
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value
+
+
 @dataclass(slots=True)
 class Lease:
     """This transaction received from ``queue_id``: if it never commits, that is a rollback."""

@@ -1,0 +1,457 @@
+"""Where an outgoing message goes inside one broker database: the far endpoint's queue, or the
+transmission queue with the reason it waits."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import (
+    delete,
+    exists,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy.engine import Connection
+
+from airflow_broker import schema as s
+from airflow_broker.constants import (
+    DIALOG_TIMER,
+    END_DIALOG,
+    ERR_CONTRACT_NOT_SUPPORTED,
+    ERR_SERVICE_NOT_FOUND,
+    ERROR,
+    PRECEDENCE_ERROR,
+    PRECEDENCE_NORMAL,
+    PRECEDENCE_TIMER,
+    SENDABLE_STATES,
+    STATUS_READY,
+)
+from airflow_broker.errors import (
+    ContractViolation,
+    UnknownObject,
+)
+from airflow_broker.objects import (
+    error_body,
+)
+
+if TYPE_CHECKING:
+    from airflow_broker.broker import Broker
+
+log = logging.getLogger("airflow_broker")
+
+#: First retry delay of a transmission that could not go; doubles per attempt up to the cap.
+RETRY_BASE = timedelta(seconds=1)
+RETRY_CAP = timedelta(seconds=60)
+
+
+def precedence(message_type: str) -> int:
+    if message_type == DIALOG_TIMER:
+        return PRECEDENCE_TIMER
+    if message_type == ERROR:
+        return PRECEDENCE_ERROR
+    return PRECEDENCE_NORMAL
+
+
+# ---------------------------------------------------------------------------------------------
+# Delivery inside one broker database
+# ---------------------------------------------------------------------------------------------
+
+
+def endpoint_query(dialect: str, handles: list[uuid.UUID]) -> Any:
+    e = s.conversation_endpoint.alias("e")
+    f = s.conversation_endpoint.alias("f")
+    fq = s.queue.alias("fq")
+    q = s.queue.alias("q")
+    t = s.transmission_queue
+    stmt = (
+        select(
+            e,
+            q.c.retention.label("own_retention"),
+            f.c.queue_id.label("far_queue_id"),
+            f.c.conversation_group_id.label("far_group_id"),
+            f.c.state.label("far_state"),
+            f.c.priority.label("far_priority"),
+            f.c.service_name.label("far_service_name"),
+            fq.c.status.label("far_queue_status"),
+            fq.c.name.label("far_queue_name"),
+            exists().where(t.c.conversation_handle == e.c.conversation_handle).label("has_pending"),
+        )
+        .join(q, q.c.queue_id == e.c.queue_id)
+        .outerjoin(f, f.c.conversation_handle == e.c.far_handle)
+        .outerjoin(fq, fq.c.queue_id == f.c.queue_id)
+        .where(e.c.conversation_handle.in_(handles))
+    )
+    if dialect == "postgresql":
+        stmt = stmt.with_for_update(of=e)
+    return stmt
+
+
+class Delivery:
+    """Puts one outgoing message where it goes: the far endpoint's queue when that is in this
+    database and can take it, else the transmission queue with the reason it waits."""
+
+    def __init__(self, broker: Broker, conn: Connection, notify: set[int]) -> None:
+        self.b = broker
+        self.conn = conn
+        self.notify = notify
+        self.instance_id = broker.instance_id_on(conn)
+
+    def route(
+        self,
+        sender: Any,
+        message_type: str,
+        seq: int,
+        body: bytes | None,
+        validation: str,
+        now: datetime,
+    ) -> None:
+        if sender.has_pending:
+            self._to_transmission(
+                sender,
+                message_type,
+                seq,
+                body,
+                validation,
+                now,
+                "waiting behind earlier messages of this conversation",
+            )
+            return
+        if sender.far_handle is not None:
+            if sender.far_queue_id is None:
+                if sender.far_broker_instance not in (None, self.instance_id):
+                    self._to_transmission(
+                        sender,
+                        message_type,
+                        seq,
+                        body,
+                        validation,
+                        now,
+                        "waiting for delivery to another broker",
+                    )
+                    return
+                # The far endpoint was removed WITH CLEANUP: the conversation is gone there.
+                self._error_back(
+                    sender,
+                    ERR_SERVICE_NOT_FOUND,
+                    f"the far endpoint of this conversation (service "
+                    f"{sender.far_service!r}) no longer exists",
+                    now,
+                )
+                return
+            if not sender.far_queue_status:
+                self._to_transmission(
+                    sender,
+                    message_type,
+                    seq,
+                    body,
+                    validation,
+                    now,
+                    f"the target queue {sender.far_queue_name!r} is disabled",
+                )
+                return
+            self._enqueue_far(
+                sender.far_queue_id,
+                sender.far_group_id,
+                sender.far_handle,
+                sender.far_priority,
+                sender.far_service_name,
+                sender.contract_name,
+                message_type,
+                seq,
+                body,
+                validation,
+                now,
+            )
+            self._far_received(sender.far_handle, seq, message_type, sender.far_state)
+            return
+        # First message of the dialog: find the target service in this broker.
+        target = self._local_target(sender)
+        if target is None:
+            self._to_transmission(
+                sender,
+                message_type,
+                seq,
+                body,
+                validation,
+                now,
+                f"no route to service {sender.far_service!r}: it is not hosted by this broker "
+                "and no route reaches it yet (the conversation is delayed and retried)",
+            )
+            return
+        if sender.contract_name not in target["contracts"]:
+            self._error_back(
+                sender,
+                ERR_CONTRACT_NOT_SUPPORTED,
+                f"service {sender.far_service!r} does not accept contract {sender.contract_name!r}",
+                now,
+            )
+            return
+        if not target["queue_status"]:
+            self._to_transmission(
+                sender,
+                message_type,
+                seq,
+                body,
+                validation,
+                now,
+                f"the target queue {target['queue_name']!r} is disabled",
+            )
+            return
+        far = self._create_target_endpoint(sender, target, now)
+        self._enqueue_far(
+            target["queue_id"],
+            far["group"],
+            far["handle"],
+            far["priority"],
+            sender.far_service,
+            sender.contract_name,
+            message_type,
+            seq,
+            body,
+            validation,
+            now,
+        )
+        self._far_received(far["handle"], seq, message_type, "CO")
+
+    def _local_target(self, sender: Any) -> dict[str, Any] | None:
+        if sender.far_broker_instance not in (None, self.instance_id):
+            return None
+        row = self.conn.execute(
+            select(s.service.c.queue_id, s.queue.c.status, s.queue.c.name)
+            .join(s.queue, s.queue.c.queue_id == s.service.c.queue_id)
+            .where(s.service.c.name == sender.far_service)
+        ).first()
+        if row is None:
+            return None
+        contracts = set(
+            self.conn.execute(
+                select(s.service_contract.c.contract_name).where(
+                    s.service_contract.c.service_name == sender.far_service
+                )
+            ).scalars()
+        )
+        return {
+            "queue_id": row.queue_id,
+            "queue_status": row.status,
+            "queue_name": row.name,
+            "contracts": contracts,
+        }
+
+    def _create_target_endpoint(
+        self, sender: Any, target: dict[str, Any], now: datetime
+    ) -> dict[str, Any]:
+        handle, group = uuid.uuid4(), uuid.uuid4()
+        prio = priority_for(
+            self.b, self.conn, sender.contract_name, sender.far_service, sender.service_name
+        )
+        self.conn.execute(
+            insert(s.conversation_group).values(
+                conversation_group_id=group, queue_id=target["queue_id"]
+            )
+        )
+        self.conn.execute(
+            insert(s.conversation_endpoint).values(
+                conversation_handle=handle,
+                conversation_id=sender.conversation_id,
+                is_initiator=not sender.is_initiator,
+                conversation_group_id=group,
+                queue_id=target["queue_id"],
+                service_name=sender.far_service,
+                far_service=sender.service_name,
+                far_broker_instance=self.instance_id,
+                far_handle=sender.conversation_handle,
+                contract_name=sender.contract_name,
+                state="CO",
+                priority=prio,
+                lifetime=sender.lifetime,
+                send_sequence=0,
+                receive_sequence=0,
+                created_at=now,
+            )
+        )
+        self.conn.execute(
+            update(s.conversation_endpoint)
+            .where(s.conversation_endpoint.c.conversation_handle == sender.conversation_handle)
+            .values(far_handle=handle, far_broker_instance=self.instance_id)
+        )
+        return {"handle": handle, "group": group, "priority": prio}
+
+    def _enqueue_far(
+        self,
+        queue_id: int,
+        group: uuid.UUID,
+        handle: uuid.UUID,
+        priority: int,
+        service_name: str,
+        contract: str,
+        message_type: str,
+        seq: int,
+        body: bytes | None,
+        validation: str,
+        now: datetime,
+    ) -> None:
+        self.conn.execute(
+            insert(s.message).values(
+                queue_id=queue_id,
+                conversation_group_id=group,
+                conversation_handle=handle,
+                message_sequence_number=seq,
+                status=STATUS_READY,
+                priority=priority,
+                precedence=precedence(message_type),
+                service_name=service_name,
+                service_contract_name=contract,
+                message_type_name=message_type,
+                validation=validation,
+                message_body=body,
+                enqueued_at=now,
+            )
+        )
+        self.notify.add(queue_id)
+
+    def _far_received(
+        self, far_handle: uuid.UUID, seq: int, message_type: str, far_state: str | None
+    ) -> None:
+        values: dict[str, Any] = {"receive_sequence": seq + 1}
+        if message_type == END_DIALOG and far_state in SENDABLE_STATES:
+            values["state"] = "DI"
+        elif message_type == ERROR:
+            values["state"] = "CD" if far_state == "DO" else "ER"
+            values["timer_due_at"] = None
+        self.conn.execute(
+            update(s.conversation_endpoint)
+            .where(s.conversation_endpoint.c.conversation_handle == far_handle)
+            .values(**values)
+        )
+
+    def _to_transmission(
+        self,
+        sender: Any,
+        message_type: str,
+        seq: int,
+        body: bytes | None,
+        validation: str,
+        now: datetime,
+        reason: str,
+    ) -> None:
+        self.conn.execute(
+            insert(s.transmission_queue).values(
+                conversation_handle=sender.conversation_handle,
+                conversation_id=sender.conversation_id,
+                is_initiator=sender.is_initiator,
+                from_service_name=sender.service_name,
+                from_broker_instance=self.instance_id,
+                to_service_name=sender.far_service,
+                to_broker_instance=sender.far_broker_instance,
+                service_contract_name=sender.contract_name,
+                message_type_name=message_type,
+                message_sequence_number=seq,
+                priority=sender.priority,
+                validation=validation,
+                message_body=body,
+                lifetime=sender.lifetime,
+                enqueued_at=now,
+                transmission_status=reason,
+                attempts=0,
+                next_attempt_at=now + RETRY_BASE,
+            )
+        )
+        log.info(
+            "message %d of conversation %s waits in the transmission queue: %s",
+            seq,
+            sender.conversation_handle,
+            reason,
+        )
+
+    def _error_back(self, sender: Any, code: int, description: str, now: datetime) -> None:
+        """The dialog failed at the far side: the sender gets an Error and goes to ER."""
+        self.conn.execute(
+            insert(s.message).values(
+                queue_id=sender.queue_id,
+                conversation_group_id=sender.conversation_group_id,
+                conversation_handle=sender.conversation_handle,
+                message_sequence_number=sender.receive_sequence,
+                status=STATUS_READY,
+                priority=sender.priority,
+                precedence=PRECEDENCE_ERROR,
+                service_name=sender.service_name,
+                service_contract_name=sender.contract_name,
+                message_type_name=ERROR,
+                validation="X",
+                message_body=error_body(code, description),
+                enqueued_at=now,
+            )
+        )
+        self.conn.execute(
+            update(s.conversation_endpoint)
+            .where(s.conversation_endpoint.c.conversation_handle == sender.conversation_handle)
+            .values(state="ER", timer_due_at=None)
+        )
+        self.conn.execute(
+            delete(s.transmission_queue).where(
+                s.transmission_queue.c.conversation_handle == sender.conversation_handle
+            )
+        )
+        self.notify.add(sender.queue_id)
+        log.warning("conversation %s failed: %s", sender.conversation_handle, description)
+
+
+def priority_for(broker: Broker, conn: Connection, contract: str, local: str, remote: str) -> int:
+    """The priority of a conversation endpoint: the most specific matching broker priority."""
+
+    def load() -> list[Any]:
+        return list(conn.execute(select(s.priority)))
+
+    best: tuple[tuple[bool, bool, bool], int] | None = None
+    for p in broker.cached_definition("priorities", load):
+        if p.contract_name not in (None, contract):
+            continue
+        if p.local_service not in (None, local):
+            continue
+        if p.remote_service not in (None, remote):
+            continue
+        rank = (
+            p.contract_name is not None,
+            p.local_service is not None,
+            p.remote_service is not None,
+        )
+        if best is None or rank > best[0]:
+            best = (rank, p.priority)
+    return best[1] if best else 5
+
+
+def contract_rule(
+    broker: Broker, conn: Connection, contract: str, message_type: str
+) -> tuple[str, str, Any]:
+    """(sent_by, validation, json_schema) of ``message_type`` in ``contract``."""
+
+    def load() -> tuple[str, str, Any] | None:
+        row = conn.execute(
+            select(
+                s.contract_message.c.sent_by,
+                s.message_type.c.validation,
+                s.message_type.c.json_schema,
+            )
+            .join(s.message_type, s.message_type.c.name == s.contract_message.c.message_type_name)
+            .where(
+                s.contract_message.c.contract_name == contract,
+                s.contract_message.c.message_type_name == message_type,
+            )
+        ).first()
+        return None if row is None else (row.sent_by, row.validation, row.json_schema)
+
+    rule = broker.cached_definition(("rule", contract, message_type), load)
+    if rule is None:
+        known = conn.execute(
+            select(s.message_type.c.name).where(s.message_type.c.name == message_type)
+        ).first()
+        if known is None:
+            raise UnknownObject(f"message type {message_type!r} does not exist in this broker")
+        raise ContractViolation(
+            f"message type {message_type!r} is not part of contract {contract!r}"
+        )
+    return rule

@@ -1,0 +1,264 @@
+"""Due work: conversation timers, lifetimes, readers that died holding messages, waiting local
+transmissions and old closed endpoints."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import (
+    delete,
+    exists,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.engine import Connection
+
+from airflow_broker import schema as s
+from airflow_broker.constants import (
+    DIALOG_TIMER,
+    ERR_LIFETIME_EXPIRED,
+    ERROR,
+    PRECEDENCE_ERROR,
+    PRECEDENCE_TIMER,
+    STATUS_READY,
+)
+from airflow_broker.delivery import RETRY_BASE, RETRY_CAP, Delivery, endpoint_query
+from airflow_broker.events import record_rollbacks
+from airflow_broker.objects import (
+    error_body,
+)
+
+if TYPE_CHECKING:
+    from airflow_broker.broker import Broker
+
+log = logging.getLogger("airflow_broker")
+
+#: Closed endpoints are kept this long (duplicate detection, as Service Broker does), then purged.
+CLOSED_ENDPOINT_RETENTION = timedelta(minutes=30)
+
+
+@dataclass(frozen=True, slots=True)
+class DueReport:
+    """What one pass of :meth:`Broker.run_due` did."""
+
+    timers_fired: int = 0
+    lifetimes_expired: int = 0
+    rollbacks_counted: int = 0
+    queues_disabled: int = 0
+    transmissions_delivered: int = 0
+    endpoints_purged: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Due work: timers, lifetimes, dead readers, waiting local transmissions
+# ---------------------------------------------------------------------------------------------
+
+
+class DueWork:
+    BATCH = 500
+
+    def __init__(self, broker: Broker, conn: Connection) -> None:
+        self.b = broker
+        self.conn = conn
+        self.notify: set[int] = set()
+        self.instance_id = broker.instance_id_on(conn)
+
+    def _due_handles(self, column: Any, now: datetime, extra: Any = None) -> Any:
+        e = s.conversation_endpoint
+        inner = select(e.c.conversation_handle).where(column <= now)
+        if extra is not None:
+            inner = inner.where(extra)
+        inner = inner.limit(self.BATCH)
+        if self.b.dialect == "postgresql":
+            inner = inner.with_for_update(skip_locked=True)
+        return e.c.conversation_handle.in_(inner.scalar_subquery())
+
+    def run(self, now: datetime, *, purge: bool = False) -> DueReport:
+        timers = self._fire_timers(now)
+        expired = self._expire_lifetimes(now)
+        counted, disabled = record_rollbacks(self.conn, self.b.adapter.reap_dead_leases(self.conn))
+        delivered = self._retry_local_transmissions(now)
+        purged = self._purge_closed(now) if purge else 0
+        self.b.adapter.notify(self.conn, self.notify)
+        return DueReport(timers, expired, counted, disabled, delivered, purged)
+
+    def _fire_timers(self, now: datetime) -> int:
+        e = s.conversation_endpoint
+        rows = self.conn.execute(
+            update(e)
+            .where(self._due_handles(e.c.timer_due_at, now))
+            .values(timer_due_at=None)
+            .returning(
+                e.c.conversation_handle,
+                e.c.conversation_group_id,
+                e.c.queue_id,
+                e.c.service_name,
+                e.c.contract_name,
+                e.c.priority,
+                e.c.state,
+                e.c.receive_sequence,
+            )
+        ).all()
+        fired = 0
+        for r in rows:
+            if r.state == "CD":
+                continue
+            self.conn.execute(
+                insert(s.message).values(
+                    queue_id=r.queue_id,
+                    conversation_group_id=r.conversation_group_id,
+                    conversation_handle=r.conversation_handle,
+                    message_sequence_number=0,
+                    status=STATUS_READY,
+                    priority=r.priority,
+                    precedence=PRECEDENCE_TIMER,
+                    service_name=r.service_name,
+                    service_contract_name=r.contract_name,
+                    message_type_name=DIALOG_TIMER,
+                    validation="E",
+                    message_body=None,
+                    enqueued_at=now,
+                )
+            )
+            self.notify.add(r.queue_id)
+            fired += 1
+        return fired
+
+    def _expire_lifetimes(self, now: datetime) -> int:
+        e = s.conversation_endpoint
+        rows = self.conn.execute(
+            update(e)
+            .where(self._due_handles(e.c.lifetime, now, e.c.state.notin_(("ER", "CD"))))
+            .values(state="ER", timer_due_at=None)
+            .returning(
+                e.c.conversation_handle,
+                e.c.conversation_group_id,
+                e.c.queue_id,
+                e.c.service_name,
+                e.c.contract_name,
+                e.c.priority,
+                e.c.receive_sequence,
+            )
+        ).all()
+        for r in rows:
+            self.conn.execute(
+                delete(s.transmission_queue).where(
+                    s.transmission_queue.c.conversation_handle == r.conversation_handle
+                )
+            )
+            self.conn.execute(
+                insert(s.message).values(
+                    queue_id=r.queue_id,
+                    conversation_group_id=r.conversation_group_id,
+                    conversation_handle=r.conversation_handle,
+                    message_sequence_number=r.receive_sequence,
+                    status=STATUS_READY,
+                    priority=r.priority,
+                    precedence=PRECEDENCE_ERROR,
+                    service_name=r.service_name,
+                    service_contract_name=r.contract_name,
+                    message_type_name=ERROR,
+                    validation="X",
+                    message_body=error_body(
+                        ERR_LIFETIME_EXPIRED, "The conversation's lifetime has expired"
+                    ),
+                    enqueued_at=now,
+                )
+            )
+            self.notify.add(r.queue_id)
+            log.info("conversation %s expired (lifetime reached)", r.conversation_handle)
+        return len(rows)
+
+    def _retry_local_transmissions(self, now: datetime) -> int:
+        """Messages that waited for a local queue (disabled, or a service not yet created)."""
+        t = s.transmission_queue
+        stmt = (
+            select(t.c.conversation_handle)
+            .where(t.c.next_attempt_at <= now)
+            .where(
+                or_(t.c.to_broker_instance.is_(None), t.c.to_broker_instance == self.instance_id)
+            )
+            .where(t.c.to_service_name.in_(select(s.service.c.name)))
+            .group_by(t.c.conversation_handle)
+            .limit(self.BATCH)
+        )
+        handles = self.conn.execute(stmt).scalars().all()
+        delivered = 0
+        for handle in handles:
+            delivered += self._flush_conversation(handle, now)
+        return delivered
+
+    def _flush_conversation(self, handle: uuid.UUID, now: datetime) -> int:
+        t = s.transmission_queue
+        pending = self.conn.execute(
+            select(t).where(t.c.conversation_handle == handle).order_by(t.c.message_sequence_number)
+        ).all()
+        delivery = Delivery(self.b, self.conn, self.notify)
+        delivered = 0
+        for msg in pending:
+            sender = self.conn.execute(endpoint_query(self.b.dialect, [handle])).first()
+            if sender is None or sender.state in ("ER", "CD"):
+                break
+            # Take the message out first; routing it again re-queues it if it still cannot go.
+            self.conn.execute(delete(t).where(t.c.id == msg.id))
+            sender_now = {**sender._mapping, "has_pending": False}
+            before = self.conn.execute(
+                select(func.count()).select_from(t).where(t.c.conversation_handle == handle)
+            ).scalar_one()
+            delivery.route(
+                RowView(sender_now),
+                msg.message_type_name,
+                msg.message_sequence_number,
+                msg.message_body,
+                msg.validation,
+                now,
+            )
+            after = self.conn.execute(
+                select(func.count()).select_from(t).where(t.c.conversation_handle == handle)
+            ).scalar_one()
+            if after > before:
+                # Still cannot go: keep the original order, back off, and stop for this dialog.
+                self.conn.execute(
+                    update(t)
+                    .where(
+                        t.c.conversation_handle == handle,
+                        t.c.message_sequence_number == msg.message_sequence_number,
+                    )
+                    .values(
+                        attempts=msg.attempts + 1,
+                        enqueued_at=msg.enqueued_at,
+                        next_attempt_at=now + min(RETRY_BASE * 2 ** (msg.attempts + 1), RETRY_CAP),
+                    )
+                )
+                # The re-queued row has a new id; later rows keep theirs, and sequence numbers
+                # (not ids) give the order.
+                break
+            delivered += 1
+        return delivered
+
+    def _purge_closed(self, now: datetime) -> int:
+        e = s.conversation_endpoint
+        result = self.conn.execute(
+            delete(e).where(e.c.state == "CD", e.c.closed_at <= now - CLOSED_ENDPOINT_RETENTION)
+        )
+        g = s.conversation_group
+        self.conn.execute(
+            delete(g).where(
+                ~exists().where(e.c.conversation_group_id == g.c.conversation_group_id),
+            )
+        )
+        return result.rowcount or 0
+
+
+class RowView:
+    """Attribute access over a mapping (a sender row with some columns replaced)."""
+
+    def __init__(self, mapping: Any) -> None:
+        self.__dict__.update(mapping)
