@@ -90,6 +90,66 @@ def endpoint_query(dialect: str, handles: list[uuid.UUID]) -> Any:
     return stmt
 
 
+def insert_message(
+    *,
+    queue_id: int,
+    group_id: uuid.UUID,
+    handle: uuid.UUID,
+    seq: int,
+    priority: int,
+    service_name: str,
+    contract: str,
+    message_type: str,
+    validation: str,
+    body: bytes | None,
+    now: datetime,
+    status: int = STATUS_READY,
+) -> Any:
+    """The INSERT of one message into a queue."""
+    return insert(s.message).values(
+        queue_id=queue_id,
+        conversation_group_id=group_id,
+        conversation_handle=handle,
+        message_sequence_number=seq,
+        status=status,
+        priority=priority,
+        precedence=precedence(message_type),
+        service_name=service_name,
+        service_contract_name=contract,
+        message_type_name=message_type,
+        validation=validation,
+        message_body=body,
+        enqueued_at=now,
+    )
+
+
+def to_endpoint(
+    endpoint: Any,
+    message_type: str,
+    seq: int,
+    body: bytes | None,
+    validation: str,
+    now: datetime,
+    status: int = STATUS_READY,
+) -> Any:
+    """The INSERT of a message into an endpoint's own queue: an Error or DialogTimer for this
+    side, or (status 3) the retained copy of a message it sent."""
+    return insert_message(
+        queue_id=endpoint.queue_id,
+        group_id=endpoint.conversation_group_id,
+        handle=endpoint.conversation_handle,
+        seq=seq,
+        priority=endpoint.priority,
+        service_name=endpoint.service_name,
+        contract=endpoint.contract_name,
+        message_type=message_type,
+        validation=validation,
+        body=body,
+        now=now,
+        status=status,
+    )
+
+
 class Delivery:
     """Puts one outgoing message where it goes: the far endpoint's queue when that is in this
     database and can take it, else the transmission queue with the reason it waits."""
@@ -295,20 +355,18 @@ class Delivery:
         now: datetime,
     ) -> None:
         self.conn.execute(
-            insert(s.message).values(
+            insert_message(
                 queue_id=queue_id,
-                conversation_group_id=group,
-                conversation_handle=handle,
-                message_sequence_number=seq,
-                status=STATUS_READY,
+                group_id=group,
+                handle=handle,
+                seq=seq,
                 priority=priority,
-                precedence=precedence(message_type),
                 service_name=service_name,
-                service_contract_name=contract,
-                message_type_name=message_type,
+                contract=contract,
+                message_type=message_type,
                 validation=validation,
-                message_body=body,
-                enqueued_at=now,
+                body=body,
+                now=now,
             )
         )
         self.notify.add(queue_id)
@@ -370,20 +428,8 @@ class Delivery:
     def _error_back(self, sender: Any, code: int, description: str, now: datetime) -> None:
         """The dialog failed at the far side: the sender gets an Error and goes to ER."""
         self.conn.execute(
-            insert(s.message).values(
-                queue_id=sender.queue_id,
-                conversation_group_id=sender.conversation_group_id,
-                conversation_handle=sender.conversation_handle,
-                message_sequence_number=sender.receive_sequence,
-                status=STATUS_READY,
-                priority=sender.priority,
-                precedence=PRECEDENCE_ERROR,
-                service_name=sender.service_name,
-                service_contract_name=sender.contract_name,
-                message_type_name=ERROR,
-                validation="X",
-                message_body=error_body(code, description),
-                enqueued_at=now,
+            to_endpoint(
+                sender, ERROR, sender.receive_sequence, error_body(code, description), "X", now
             )
         )
         self.conn.execute(

@@ -13,7 +13,6 @@ from sqlalchemy import (
     delete,
     exists,
     func,
-    insert,
     or_,
     select,
     update,
@@ -25,11 +24,8 @@ from airflow_broker.constants import (
     DIALOG_TIMER,
     ERR_LIFETIME_EXPIRED,
     ERROR,
-    PRECEDENCE_ERROR,
-    PRECEDENCE_TIMER,
-    STATUS_READY,
 )
-from airflow_broker.delivery import RETRY_BASE, RETRY_CAP, Delivery, endpoint_query
+from airflow_broker.delivery import RETRY_BASE, RETRY_CAP, Delivery, endpoint_query, to_endpoint
 from airflow_broker.events import record_rollbacks
 from airflow_broker.objects import (
     error_body,
@@ -110,23 +106,7 @@ class DueWork:
         for r in rows:
             if r.state == "CD":
                 continue
-            self.conn.execute(
-                insert(s.message).values(
-                    queue_id=r.queue_id,
-                    conversation_group_id=r.conversation_group_id,
-                    conversation_handle=r.conversation_handle,
-                    message_sequence_number=0,
-                    status=STATUS_READY,
-                    priority=r.priority,
-                    precedence=PRECEDENCE_TIMER,
-                    service_name=r.service_name,
-                    service_contract_name=r.contract_name,
-                    message_type_name=DIALOG_TIMER,
-                    validation="E",
-                    message_body=None,
-                    enqueued_at=now,
-                )
-            )
+            self.conn.execute(to_endpoint(r, DIALOG_TIMER, 0, None, "E", now))
             self.notify.add(r.queue_id)
             fired += 1
         return fired
@@ -154,22 +134,13 @@ class DueWork:
                 )
             )
             self.conn.execute(
-                insert(s.message).values(
-                    queue_id=r.queue_id,
-                    conversation_group_id=r.conversation_group_id,
-                    conversation_handle=r.conversation_handle,
-                    message_sequence_number=r.receive_sequence,
-                    status=STATUS_READY,
-                    priority=r.priority,
-                    precedence=PRECEDENCE_ERROR,
-                    service_name=r.service_name,
-                    service_contract_name=r.contract_name,
-                    message_type_name=ERROR,
-                    validation="X",
-                    message_body=error_body(
-                        ERR_LIFETIME_EXPIRED, "The conversation's lifetime has expired"
-                    ),
-                    enqueued_at=now,
+                to_endpoint(
+                    r,
+                    ERROR,
+                    r.receive_sequence,
+                    error_body(ERR_LIFETIME_EXPIRED, "The conversation's lifetime has expired"),
+                    "X",
+                    now,
                 )
             )
             self.notify.add(r.queue_id)

@@ -36,8 +36,8 @@ from airflow_broker.delivery import (
     Delivery,
     contract_rule,
     endpoint_query,
-    precedence,
     priority_for,
+    to_endpoint,
 )
 from airflow_broker.duework import DueWork
 from airflow_broker.engines import Lease, aware, utcnow
@@ -367,21 +367,7 @@ class Transaction:
         self, row: Any, message_type: str, seq: int, payload: bytes | None, code: str, now: datetime
     ) -> None:
         self._execute(
-            insert(s.message).values(
-                queue_id=row.queue_id,
-                conversation_group_id=row.conversation_group_id,
-                conversation_handle=row.conversation_handle,
-                message_sequence_number=seq,
-                status=STATUS_RETAINED_SENT,
-                priority=row.priority,
-                precedence=precedence(message_type),
-                service_name=row.service_name,
-                service_contract_name=row.contract_name,
-                message_type_name=message_type,
-                validation=code,
-                message_body=payload,
-                enqueued_at=now,
-            )
+            to_endpoint(row, message_type, seq, payload, code, now, status=STATUS_RETAINED_SENT)
         )
 
     # -- RECEIVE -------------------------------------------------------------------------------
