@@ -2,8 +2,9 @@
 
 Run from the repository root::
 
-    python -m bench.throughput                        # everything, about 2 minutes on 2 cores
+    python -m bench.throughput                        # everything, a few minutes on 2 cores
     python -m bench.throughput --systems pgmq,pgqueuer --readers 1 --repeats 1
+    python -m bench.throughput --messages 2000 --batched-messages 20000   # longer rounds
 
 Workloads (the same for every system; see ``bench/_systems.py`` for the fairness rules):
 
@@ -13,11 +14,14 @@ Workloads (the same for every system; see ``bench/_systems.py`` for the fairness
 Each (workload, readers, system) runs in its own scratch database, cloned from a template that
 holds the system's schema, and dropped afterwards. Producers run *ahead*: one producer (this
 process) enqueues the round's messages, timed; then 1 or 2 reader processes (multiprocessing,
-spawn) drain them, timed from the first reader's start to the last committed consume. A round's
+spawn; started once and reused, so start-up and connecting are never timed) drain them, timed
+from the first reader's start to the last committed consume. A round's
 time is send time + receive time, and ``msgs/s`` is messages / that time: the end-to-end cost
 of getting a message through the queue. Each configuration has a warm-up round, then
-``--repeats`` measured rounds; the table shows the median round (by total time). ``VACUUM
-ANALYZE`` runs before every round, and every round checks that the queue is empty afterwards.
+``--repeats`` measured rounds; the table shows the median round (by total time). The systems of
+one (workload, readers) are set up side by side and take turns round by round, so a busy moment
+of a shared machine hits all of them. ``VACUUM ANALYZE`` runs before every round (the dev
+server runs with autovacuum off), and every round checks that the queue is empty afterwards.
 
 After the table come the target lines, ``target NAME: RATIO (goal >= G)``: airflow-broker's
 msgs/s over pgmq's, the lowest over the reader counts measured (a target must hold for each).
@@ -27,7 +31,9 @@ msgs/s over pgmq's, the lowest over the reader counts measured (a target must ho
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
+import queue
 import sys
 import time
 from collections.abc import Sequence
@@ -37,9 +43,9 @@ from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
-from bench._reader import DrainResult, reader_main
+from bench._reader import Command, DrainResult, Reply, reader_main
 from bench._scratch import Database, ScratchServer, vacuum
-from bench._systems import SYSTEMS, System, Workload, get_system
+from bench._systems import SYSTEMS, Producer, SetupState, System, Workload, get_system
 
 #: (workload, peer) -> goal; the targets of DESIGN.md's bench section.
 TARGETS: dict[tuple[str, str], float] = {
@@ -83,35 +89,34 @@ class Row:
 
 
 class ReaderPool:
-    """``readers`` spawned reader processes with one consumer each."""
+    """Reader processes (spawned once per run) that open, drain and close consumers by key."""
 
-    def __init__(
-        self, system: System, db: Database, workload: Workload, state: dict[str, Any], readers: int
-    ) -> None:
+    def __init__(self, size: int) -> None:
         ctx = mp.get_context("spawn")
         self.counter: Synchronized[int] = ctx.Value("q", 0)
-        self.results: Queue[tuple[str, Any]] = ctx.Queue()
-        self.commands: list[Queue[int | None]] = [ctx.Queue() for _ in range(readers)]
+        self.results: Queue[Reply] = ctx.Queue()
+        self.commands: list[Queue[Command]] = [ctx.Queue() for _ in range(size)]
         self.procs: list[BaseProcess] = [
             ctx.Process(
                 target=reader_main,
-                args=(system.name, db, workload, state, q, self.results, self.counter),
+                args=(q, self.results, self.counter),
                 name=f"bench-reader-{i}",
                 daemon=True,
             )
             for i, q in enumerate(self.commands)
         ]
+        self._keys = itertools.count()
         for proc in self.procs:
             proc.start()
-        self._collect("ready", READY_TIMEOUT)
+        self._collect("ready", len(self.procs), READY_TIMEOUT)
 
-    def _collect(self, kind: str, timeout: float) -> list[Any]:
+    def _collect(self, kind: str, count: int, timeout: float) -> list[Any]:
         got: list[Any] = []
         deadline = time.monotonic() + timeout
-        while len(got) < len(self.procs):
+        while len(got) < count:
             try:
                 tag, value = self.results.get(timeout=1.0)
-            except Exception:
+            except queue.Empty:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"readers did not report {kind!r} in {timeout}s") from None
                 dead = [p.name for p in self.procs if not p.is_alive()]
@@ -125,16 +130,34 @@ class ReaderPool:
             got.append(value)
         return got
 
-    def drain(self, total: int) -> list[DrainResult]:
-        """Have every reader drain until ``total`` messages are consumed; their reports."""
+    def _ask(self, readers: int, command: tuple[Any, ...], kind: str, timeout: float
+             ) -> list[Any]:
+        if readers > len(self.procs):
+            raise ValueError(f"{readers} readers asked of a pool of {len(self.procs)}")
+        for q in self.commands[:readers]:
+            q.put(command)
+        return self._collect(kind, readers, timeout)
+
+    def open(self, readers: int, system: System, db: Database, workload: Workload,
+             state: SetupState) -> int:
+        """A consumer of ``system`` in each of the first ``readers`` processes; their key."""
+        key = next(self._keys)
+        self._ask(readers, ("open", key, system.name, db, workload, state), "opened",
+                  READY_TIMEOUT)
+        return key
+
+    def drain(self, key: int, readers: int, total: int) -> list[DrainResult]:
+        """The consumers ``key`` drain ``total`` messages together; their reports."""
         with self.counter.get_lock():
             self.counter.value = 0
-        for q in self.commands:
-            q.put(total)
-        return self._collect("done", ROUND_TIMEOUT)
+        return self._ask(readers, ("drain", key, total), "done", ROUND_TIMEOUT)
+
+    def close_consumers(self, key: int, readers: int) -> None:
+        """Close the consumers ``key`` (their connections go before the database is dropped)."""
+        self._ask(readers, ("close", key), "closed", READY_TIMEOUT)
 
     def close(self) -> None:
-        """Stop the readers (they close their connections) and reap them."""
+        """Stop the processes and reap them."""
         for q in self.commands:
             q.put(None)
         for proc in self.procs:
@@ -144,49 +167,93 @@ class ReaderPool:
                 proc.join(timeout=5)
 
 
-def measure(
-    server: ScratchServer, template: str, system: System, workload: Workload, readers: int,
-    repeats: int,
-) -> Row:
-    """Warm up, then ``repeats`` rounds of one configuration in a fresh scratch database."""
-    db = server.create(template, system.name, workload.name, f"r{readers}")
-    try:
-        state = system.prepare(db, workload)
-        pool = ReaderPool(system, db, workload, state, readers)
-        producer = system.producer(db, workload, state)
-        rounds: list[Round] = []
-        seq = 0
+class Rig:
+    """One system set up for one (workload, readers): scratch database, consumers, producer."""
+
+    def __init__(
+        self, server: ScratchServer, pool: ReaderPool, system: System, workload: Workload,
+        readers: int,
+    ) -> None:
+        self.server = server
+        self.pool = pool
+        self.system = system
+        self.workload = workload
+        self.readers = readers
+        template = server.template(system.name, system.install)
+        self.db = server.create(template, system.name, workload.name, f"r{readers}")
+        self.key: int | None = None
+        self.producer: Producer | None = None
         try:
-            for i in range(repeats + 1):
-                count = workload.warmup if i == 0 else workload.messages
-                vacuum(db)
-                start = time.perf_counter()
-                for k in range(0, count, workload.batch):
-                    producer.send(seq + k, workload.batch)
-                send_seconds = time.perf_counter() - start
-                seq += count
-                drains = pool.drain(count)
-                consumed = sum(d.messages for d in drains)
-                left = system.remaining(db, state)
-                if consumed != count or left:
-                    raise RuntimeError(
-                        f"{system.name} {workload.name}: sent {count}, consumed {consumed}, "
-                        f"{left} left on the queue"
-                    )
-                receive_seconds = max(d.last_commit for d in drains) - min(
-                    d.started for d in drains
-                )
-                if i:
-                    rounds.append(
-                        Round(send_seconds, receive_seconds, sum(d.transactions for d in drains))
-                    )
+            self.state = system.prepare(self.db, workload)
+            self.key = pool.open(readers, system, self.db, workload, self.state)
+            self.producer = system.producer(self.db, workload, self.state)
+        except BaseException:
+            self.close()
+            raise
+        self.seq = 0
+        self.rounds: list[Round] = []
+
+    def run_round(self, count: int, *, record: bool) -> None:
+        """Produce ``count`` messages (timed), then drain them with the readers (timed)."""
+        assert self.producer is not None and self.key is not None
+        vacuum(self.db)
+        start = time.perf_counter()
+        for k in range(0, count, self.workload.batch):
+            self.producer.send(self.seq + k, self.workload.batch)
+        send_seconds = time.perf_counter() - start
+        self.seq += count
+        drains = self.pool.drain(self.key, self.readers, count)
+        consumed = sum(d.messages for d in drains)
+        left = self.system.remaining(self.db, self.state)
+        if consumed != count or left:
+            raise RuntimeError(
+                f"{self.system.name} {self.workload.name}: sent {count}, consumed {consumed}, "
+                f"{left} left on the queue"
+            )
+        receive_seconds = max(d.last_commit for d in drains) - min(d.started for d in drains)
+        if record:
+            self.rounds.append(
+                Round(send_seconds, receive_seconds, sum(d.transactions for d in drains))
+            )
+
+    def row(self) -> Row:
+        """The median recorded round (by total time)."""
+        median = sorted(self.rounds, key=lambda r: r.seconds)[len(self.rounds) // 2]
+        return Row(self.system.name, self.workload.name, self.readers, self.workload.messages,
+                   median, len(self.rounds))
+
+    def close(self) -> None:
+        """Close the producer and the consumers; drop the scratch database."""
+        try:
+            if self.producer is not None:
+                self.producer.close()
+            if self.key is not None:
+                self.pool.close_consumers(self.key, self.readers)
         finally:
-            producer.close()
-            pool.close()
+            self.server.drop(self.db)
+
+
+def measure(
+    server: ScratchServer, pool: ReaderPool, systems: Sequence[System], workload: Workload,
+    readers: int, repeats: int,
+) -> list[Row]:
+    """Warm-up round, then ``repeats`` measured rounds of every system, interleaved.
+
+    All systems are set up side by side and take turns round by round (in a rotating order), so
+    that a slow minute of a shared machine lands on every system rather than on one.
+    """
+    rigs: list[Rig] = []
+    try:
+        for system in systems:
+            rigs.append(Rig(server, pool, system, workload, readers))
+        for i in range(repeats + 1):
+            turn = i % len(rigs)
+            for rig in rigs[turn:] + rigs[:turn]:
+                rig.run_round(workload.warmup if i == 0 else workload.messages, record=i > 0)
+        return [rig.row() for rig in rigs]
     finally:
-        server.drop(db)
-    median = sorted(rounds, key=lambda r: r.seconds)[len(rounds) // 2]
-    return Row(system.name, workload.name, readers, workload.messages, median, repeats)
+        for rig in rigs:
+            rig.close()
 
 
 def _round_up(n: int, batch: int) -> int:
@@ -277,8 +344,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="comma-separated; default: %(default)s")
     p.add_argument("--workloads", type=csv, default=["single", "batched"])
     p.add_argument("--readers", type=ints, default=[1, 2], help="reader process counts")
-    p.add_argument("--messages", type=int, default=2000, help="messages per single round")
-    p.add_argument("--batched-messages", type=int, default=20000,
+    # Single messages are bound by one WAL flush per commit (about 400 msgs/s for pgmq on the
+    # 2-core dev box): these sizes keep a round at a few seconds and a full run near 2 minutes.
+    p.add_argument("--messages", type=int, default=1000, help="messages per single round")
+    p.add_argument("--batched-messages", type=int, default=10000,
                    help="messages per batched round")
     p.add_argument("--batch", type=int, default=100, help="messages per batched transaction")
     p.add_argument("--dialogs", type=int, default=100,
@@ -305,20 +374,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.check()
     rows: list[Row] = []
     started = time.perf_counter()
+    pool = ReaderPool(max(args.readers))
     try:
-        # Systems innermost: the runs being compared are close together in time.
         for workload in chosen:
             for readers in args.readers:
-                for system in systems:
-                    template = server.template(system.name, system.install)
-                    row = measure(server, template, system, workload, readers, args.repeats)
+                for row in measure(server, pool, systems, workload, readers, args.repeats):
                     rows.append(row)
                     print(
-                        f"  {system.name:15} {workload.name:8} readers={readers} "
+                        f"  {row.system:15} {row.workload:8} readers={readers} "
                         f"{row.rate:>9,.0f} msgs/s  (median round {row.round.seconds:.2f}s)",
                         file=sys.stderr, flush=True,
                     )
     finally:
+        pool.close()
         server.drop_all()
     print(format_table(rows))
     print()
