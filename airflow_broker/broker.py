@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import (
@@ -89,7 +90,8 @@ class Broker:
         self._instance_id: str | None = None
         self._cache: dict[Any, tuple[float, Any]] = {}
         self._cache_lock = threading.Lock()
-        self.last_due_work = 0.0
+        #: monotonic time of the next due-work step RECEIVE should take (see Transaction)
+        self.next_due_work = 0.0
 
     @classmethod
     def connect(
@@ -110,7 +112,6 @@ class Broker:
         else:
             engine_kwargs.setdefault("pool_size", 5)
             engine_kwargs.setdefault("max_overflow", 10)
-            engine_kwargs.setdefault("pool_pre_ping", True)
         return cls(create_engine(parsed, **engine_kwargs), resolver=resolver)
 
     def __repr__(self) -> str:
@@ -171,7 +172,7 @@ class Broker:
                 conn.execute(
                     insert(s.route).values(name=AUTO_CREATED_LOCAL, address="LOCAL", created_at=now)
                 )
-        self._invalidate()
+        self.invalidate_definitions()
 
     @property
     def instance_id(self) -> str:
@@ -210,7 +211,7 @@ class Broker:
         except IntegrityError as exc:
             raise InvalidDefinition(f"definition refused by the database: {exc.orig}") from exc
         finally:
-            self._invalidate()
+            self.invalidate_definitions()
 
     def _define(self, verb: str, *args: Any, **kwargs: Any) -> None:
         with self.definitions() as d:
@@ -317,9 +318,17 @@ class Broker:
         RECEIVE does this too as it polls; call this from a scheduler or the activation monitor
         so that timers fire on queues nobody is reading."""
         with self.engine.begin() as conn:
-            report = DueWork(self, conn).run(utcnow(), purge=True)
-        self.last_due_work = time.monotonic()
+            work = DueWork(self, conn)
+            report = work.run(utcnow(), purge=True)
+        if work.next_due is not None:
+            self.note_due(work.next_due)
         return report
+
+    def note_due(self, at: datetime) -> None:
+        """Something falls due at ``at`` (a timer, a lifetime, a retry): make sure RECEIVE's
+        due-work step in this process runs by then."""
+        delay = max((at - utcnow()).total_seconds(), 0.0)
+        self.next_due_work = min(self.next_due_work, time.monotonic() + delay)
 
     # -- observation ---------------------------------------------------------------------------
     def catalog(self) -> Catalog:
@@ -449,7 +458,8 @@ class Broker:
             ]
 
     # -- internals -----------------------------------------------------------------------------
-    def _invalidate(self) -> None:
+    def invalidate_definitions(self) -> None:
+        """Forget cached definitions (done after every definition change through this Broker)."""
         with self._cache_lock:
             self._cache.clear()
 

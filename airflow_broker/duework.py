@@ -25,7 +25,8 @@ from airflow_broker.constants import (
     ERR_LIFETIME_EXPIRED,
     ERROR,
 )
-from airflow_broker.delivery import RETRY_BASE, RETRY_CAP, Delivery, endpoint_query, to_endpoint
+from airflow_broker.delivery import RETRY_BASE, RETRY_CAP, Delivery, endpoint_statement, to_endpoint
+from airflow_broker.engines import aware
 from airflow_broker.events import record_rollbacks
 from airflow_broker.objects import (
     error_body,
@@ -63,8 +64,9 @@ class DueWork:
     def __init__(self, broker: Broker, conn: Connection) -> None:
         self.b = broker
         self.conn = conn
-        self.notify: set[int] = set()
         self.instance_id = broker.instance_id_on(conn)
+        #: the earliest time something falls due after this pass (None: nothing scheduled)
+        self.next_due: datetime | None = None
 
     def _due_handles(self, column: Any, now: datetime, extra: Any = None) -> Any:
         e = s.conversation_endpoint
@@ -82,8 +84,24 @@ class DueWork:
         counted, disabled = record_rollbacks(self.conn, self.b.adapter.reap_dead_leases(self.conn))
         delivered = self._retry_local_transmissions(now)
         purged = self._purge_closed(now) if purge else 0
-        self.b.adapter.notify(self.conn, self.notify)
+        self.next_due = self._next_due()
         return DueReport(timers, expired, counted, disabled, delivered, purged)
+
+    def _next_due(self) -> datetime | None:
+        e, t = s.conversation_endpoint, s.transmission_queue
+        candidates = self.conn.execute(
+            select(
+                select(func.min(e.c.timer_due_at))
+                .where(e.c.timer_due_at.is_not(None))
+                .scalar_subquery(),
+                select(func.min(e.c.lifetime))
+                .where(e.c.lifetime.is_not(None), e.c.state.notin_(("ER", "CD")))
+                .scalar_subquery(),
+                select(func.min(t.c.next_attempt_at)).scalar_subquery(),
+            )
+        ).one()
+        found = [aware(c) for c in candidates if c is not None]
+        return min(found) if found else None  # type: ignore[type-var]
 
     def _fire_timers(self, now: datetime) -> int:
         e = s.conversation_endpoint
@@ -107,7 +125,6 @@ class DueWork:
             if r.state == "CD":
                 continue
             self.conn.execute(to_endpoint(r, DIALOG_TIMER, 0, None, "E", now))
-            self.notify.add(r.queue_id)
             fired += 1
         return fired
 
@@ -143,7 +160,6 @@ class DueWork:
                     now,
                 )
             )
-            self.notify.add(r.queue_id)
             log.info("conversation %s expired (lifetime reached)", r.conversation_handle)
         return len(rows)
 
@@ -171,10 +187,12 @@ class DueWork:
         pending = self.conn.execute(
             select(t).where(t.c.conversation_handle == handle).order_by(t.c.message_sequence_number)
         ).all()
-        delivery = Delivery(self.b, self.conn, self.notify)
+        delivery = Delivery(self.b, self.conn)
         delivered = 0
         for msg in pending:
-            sender = self.conn.execute(endpoint_query(self.b.dialect, [handle])).first()
+            sender = self.conn.execute(
+                endpoint_statement(self.b.dialect), {"handles": [handle]}
+            ).first()
             if sender is None or sender.state in ("ER", "CD"):
                 break
             # Take the message out first; routing it again re-queues it if it still cannot go.

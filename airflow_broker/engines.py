@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import random
@@ -76,8 +77,6 @@ class WaitState:
 
 class EngineAdapter(Protocol):
     dialect: str
-
-    def notify(self, conn: Connection, queue_ids: set[int]) -> None: ...
 
     def open_lease(self, conn: Connection, queue_id: int) -> Lease: ...
 
@@ -139,14 +138,7 @@ class PostgresAdapter:
                 self._side = None
                 raise
 
-    # -- notifications -------------------------------------------------------------------------
-    def notify(self, conn: Connection, queue_ids: set[int]) -> None:
-        if queue_ids:
-            conn.execute(
-                text("SELECT pg_notify(ch, '') FROM unnest(CAST(:chs AS text[])) AS ch"),
-                {"chs": [channel(q) for q in sorted(queue_ids)]},
-            )
-
+    # -- waiting: LISTEN; a trigger on broker_message notifies (migration 0002) ----------
     def start_wait(self, conn: Connection, queue_id: int, *, can_release: bool) -> WaitState:
         with self._lock:
             listener = self._idle_listeners.pop() if self._idle_listeners else None
@@ -208,10 +200,18 @@ class PostgresAdapter:
                     return Lease(queue_id=queue_id, key=key)
 
     def leases_committing(self, conn: Connection, leases: list[Lease]) -> None:
-        # Deleted by the reader's own transaction: atomically gone if and only if it commits.
+        # Deleted by the reader's own transaction: atomically gone if and only if it commits;
+        # in the same round trip, the commit breaks its queues' run of rollbacks.
         conn.execute(
-            text("DELETE FROM broker_receive_lease WHERE lease_key = ANY(:keys)"),
-            {"keys": [lease.key for lease in leases]},
+            text(
+                "WITH gone AS (DELETE FROM broker_receive_lease WHERE lease_key = ANY(:keys)) "
+                "UPDATE broker_queue SET rollback_count = 0 "
+                "WHERE queue_id = ANY(:queue_ids) AND rollback_count > 0"
+            ),
+            {
+                "keys": [lease.key for lease in leases],
+                "queue_ids": sorted({lease.queue_id for lease in leases}),
+            },
         )
 
     def close_leases(self, leases: list[Lease]) -> None:
@@ -281,9 +281,6 @@ class SqliteAdapter:
     def _on_begin(conn: Connection) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
-    def notify(self, conn: Connection, queue_ids: set[int]) -> None:
-        """Waiters watch data_version, which every commit changes."""
-
     # -- waiting -------------------------------------------------------------------------------
     @staticmethod
     def _data_version(conn: Connection) -> int:
@@ -330,7 +327,14 @@ class SqliteAdapter:
         return Lease(queue_id=queue_id, path=path, fd=fd)
 
     def leases_committing(self, conn: Connection, leases: list[Lease]) -> None:
-        """The files go after the commit (close_leases)."""
+        # The files go after the commit (close_leases); the commit breaks the run of rollbacks.
+        conn.execute(
+            text(
+                "UPDATE broker_queue SET rollback_count = 0 "
+                "WHERE queue_id IN (SELECT value FROM json_each(:queue_ids)) AND rollback_count > 0"
+            ),
+            {"queue_ids": json.dumps(sorted({lease.queue_id for lease in leases}))},
+        )
 
     def close_leases(self, leases: list[Lease]) -> None:
         # Unlink before unlocking: a reaper that gets the lock then sees the file is gone.

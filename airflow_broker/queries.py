@@ -62,6 +62,11 @@ _COLUMN_TYPES: dict[str, Any] = {
 GROUP_ORDER = "m.priority DESC, m.precedence, m.conversation_handle, m.message_sequence_number"
 
 
+#: Every picker also checks the queue is enabled, so the hot path needs no separate lookup; an
+#: empty result is then told apart (disabled or just empty) by the caller.
+_ENABLED = "EXISTS (SELECT 1 FROM broker_queue qq WHERE qq.queue_id = :queue_id AND qq.status)"
+
+
 def _group_picker(dialect: str, *, by_handle: bool, by_group: bool) -> str:
     pg = dialect == "postgresql"
     lock_g = "FOR NO KEY UPDATE OF g SKIP LOCKED" if pg else ""
@@ -73,13 +78,15 @@ def _group_picker(dialect: str, *, by_handle: bool, by_group: bool) -> str:
         )
         return (
             "SELECT e.conversation_group_id FROM broker_conversation_endpoint e "
-            f"{join} WHERE e.conversation_handle = :handle AND e.queue_id = :queue_id {lock_g}"
+            f"{join} WHERE e.conversation_handle = :handle AND e.queue_id = :queue_id "
+            f"AND {_ENABLED} {lock_g}"
         )
     if by_group:
         lock = "FOR NO KEY UPDATE SKIP LOCKED" if pg else ""
         return (
             "SELECT g.conversation_group_id FROM broker_conversation_group g "
-            f"WHERE g.conversation_group_id = :group_id AND g.queue_id = :queue_id {lock}"
+            f"WHERE g.conversation_group_id = :group_id AND g.queue_id = :queue_id "
+            f"AND {_ENABLED} {lock}"
         )
     join = (
         "JOIN broker_conversation_group g ON g.conversation_group_id = m.conversation_group_id"
@@ -88,7 +95,7 @@ def _group_picker(dialect: str, *, by_handle: bool, by_group: bool) -> str:
     )
     return (
         f"SELECT m.conversation_group_id FROM broker_message m {join} "
-        "WHERE m.queue_id = :queue_id AND m.status = 1 "
+        f"WHERE m.queue_id = :queue_id AND m.status = 1 AND {_ENABLED} "
         f"ORDER BY m.priority DESC, m.queuing_order LIMIT 1 {lock_g}"
     )
 

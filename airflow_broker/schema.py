@@ -32,8 +32,9 @@ from sqlalchemy import (
     Uuid,
     text,
 )
+from sqlalchemy import event as sa_event
 from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.schema import CreateTable
+from sqlalchemy.schema import DDL, CreateTable
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -310,6 +311,32 @@ Index(
     postgresql_where=text("status = 1"),
     sqlite_where=text("status = 1"),
 )
+
+# Waiting readers LISTEN on their queue's channel; PostgreSQL notifies it from a trigger
+# (migration 0002), so every writer of ready messages wakes them.
+_NOTIFY_FUNCTION = DDL(
+    """
+CREATE OR REPLACE FUNCTION broker_notify_queues() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('airflow_broker_q' || q.queue_id, '')
+    FROM (SELECT DISTINCT queue_id FROM broker_new_rows WHERE status = 1) AS q;
+    RETURN NULL;
+END
+$$
+"""
+)
+sa_event.listen(message, "after_create", _NOTIFY_FUNCTION.execute_if(dialect="postgresql"))
+for _op in ("INSERT", "UPDATE"):
+    sa_event.listen(
+        message,
+        "after_create",
+        DDL(
+            f"CREATE TRIGGER broker_message_notify_{_op.lower()} AFTER {_op} ON broker_message "
+            "REFERENCING NEW TABLE AS broker_new_rows "
+            "FOR EACH STATEMENT EXECUTE FUNCTION broker_notify_queues()"
+        ).execute_if(dialect="postgresql"),
+    )
 
 receive_lease = Table(
     "broker_receive_lease",

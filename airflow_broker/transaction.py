@@ -35,8 +35,10 @@ from airflow_broker.constants import (
 from airflow_broker.delivery import (
     Delivery,
     contract_rule,
-    endpoint_query,
+    endpoint_statement,
+    on_fast_path,
     priority_for,
+    send_fast,
     to_endpoint,
 )
 from airflow_broker.duework import DueWork
@@ -66,8 +68,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("airflow_broker")
 
-#: How often (at most) RECEIVE runs the due-work step itself, per Broker object.
-DUE_WORK_INTERVAL = 0.1
+#: RECEIVE runs the due-work step when something this process knows of falls due (a timer or
+#: lifetime it set, or the earliest one the last pass saw), and at least this often otherwise, to
+#: notice what other processes set and readers that died.
+DUE_POLL_SECONDS = 1.0
 #: Longest single sleep of a waiting RECEIVE: bounds how late a due timer is noticed.
 MAX_WAIT_SLICE = 0.5
 
@@ -88,7 +92,6 @@ class Transaction:
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self.connection: Connection = broker.engine.connect()
-        self._notify: set[int] = set()
         self._leases: dict[int, Lease] = {}
         self._dirty = False
         self._done = False
@@ -118,16 +121,9 @@ class Transaction:
         adapter = self.broker.adapter
         try:
             if leases:
+                # Gone with the commit: this transaction's leases, and the queues' run of
+                # consecutive rollbacks (a committed RECEIVE breaks it).
                 adapter.leases_committing(conn, leases)
-                conn.execute(
-                    update(s.queue)
-                    .where(
-                        s.queue.c.queue_id.in_([lease.queue_id for lease in leases]),
-                        s.queue.c.rollback_count > 0,
-                    )
-                    .values(rollback_count=0)
-                )
-            adapter.notify(conn, self._notify)
             conn.commit()
         except BaseException:
             self._after_rollback()
@@ -163,27 +159,42 @@ class Transaction:
         return self.connection.execute(stmt, params)
 
     # -- lookups -------------------------------------------------------------------------------
-    def _queue(self, name: str) -> Row[Any]:
-        row = self._execute(
-            select(
-                s.queue.c.queue_id,
-                s.queue.c.name,
-                s.queue.c.status,
-                s.queue.c.retention,
-                s.queue.c.poison_message_handling,
-            ).where(s.queue.c.name == name)
-        ).first()
+    def _queue(self, name: str) -> Any:
+        """A queue's id and settings (cached briefly: they rarely change). Whether it is
+        enabled is checked by the statements themselves, see :meth:`_raise_if_disabled`."""
+        conn = self.connection
+
+        def load() -> Any:
+            return conn.execute(
+                select(
+                    s.queue.c.queue_id,
+                    s.queue.c.name,
+                    s.queue.c.retention,
+                    s.queue.c.poison_message_handling,
+                ).where(s.queue.c.name == name)
+            ).first()
+
+        self._check_open()
+        row = self.broker.cached_definition(("queue", name), load)
         if row is None:
             raise UnknownObject(f"queue {name!r} does not exist in this broker")
-        if not row.status:
-            raise QueueDisabled(
-                f"queue {name!r} is disabled (status off); re-enable it with "
-                f"alter_queue({name!r}, status=True) once its readers are fixed"
-            )
         return row
 
+    def _raise_if_disabled(self, q: Row[Any]) -> None:
+        status = self._execute(
+            select(s.queue.c.status).where(s.queue.c.queue_id == q.queue_id)
+        ).scalar()
+        if status is None:
+            self.broker.invalidate_definitions()
+            raise UnknownObject(f"queue {q.name!r} does not exist in this broker")
+        if not status:
+            raise QueueDisabled(
+                f"queue {q.name!r} is disabled (status off); re-enable it with "
+                f"alter_queue({q.name!r}, status=True) once its readers are fixed"
+            )
+
     def _endpoint_row(self, handle: uuid.UUID) -> Any:
-        row = self._execute(endpoint_query(self.broker.dialect, [handle])).first()
+        row = self._execute(endpoint_statement(self.broker.dialect), {"handles": [handle]}).first()
         if row is None:
             raise UnknownObject(f"conversation handle {handle} does not exist in this broker")
         return row
@@ -291,6 +302,8 @@ class Transaction:
                 created_at=now,
             )
         )
+        if lifetime_seconds:
+            self.broker.note_due(now + timedelta(seconds=lifetime_seconds))
         return handle
 
     # -- SEND ----------------------------------------------------------------------------------
@@ -314,7 +327,9 @@ class Transaction:
         payload = encode_body(body)
         rows = {
             r.conversation_handle: r
-            for r in self._execute(endpoint_query(self.broker.dialect, handle_list))
+            for r in self._execute(
+                endpoint_statement(self.broker.dialect), {"handles": handle_list}
+            )
         }
         now = utcnow()
         checked: list[tuple[Any, str]] = []
@@ -338,9 +353,22 @@ class Transaction:
                 validated.add((validation, message_type))
             checked.append((row, VALIDATION_CODES[validation]))
         self._dirty = True
-        delivery = Delivery(self.broker, self.connection, self._notify)
+        fast = [row for row, _ in checked if on_fast_path(row)]
+        if fast:
+            send_fast(
+                self.connection,
+                self.broker.dialect,
+                fast,
+                message_type,
+                payload,
+                checked[0][1],
+                now,
+            )
+        delivery = Delivery(self.broker, self.connection)
         e = s.conversation_endpoint
         for row, code in checked:
+            if on_fast_path(row):
+                continue
             seq = row.send_sequence
             self._execute(
                 update(e)
@@ -410,7 +438,10 @@ class Transaction:
 
         def claim() -> list[Any]:
             rows: list[Any] = self._execute(stmt, params).all()
-            if rows or self.broker.dialect != "postgresql":
+            if rows:
+                return rows
+            self._raise_if_disabled(q)
+            if self.broker.dialect != "postgresql":
                 return rows
             ready = queries.ready_exists_statement(by_handle=by_handle, by_group=by_group)
             for _ in range(queries.CLAIM_ATTEMPTS - 1):
@@ -457,9 +488,14 @@ class Transaction:
         (None when there is none within ``wait_seconds``)."""
         q = self._queue(queue)
         stmt = queries.lock_group_statement(self.broker.dialect)
-        rows = self._wait_for(
-            q, wait_seconds, lambda: self._execute(stmt, {"queue_id": q.queue_id}).all()
-        )
+
+        def lock_group() -> list[Any]:
+            rows: list[Any] = self._execute(stmt, {"queue_id": q.queue_id}).all()
+            if not rows:
+                self._raise_if_disabled(q)
+            return rows
+
+        rows = self._wait_for(q, wait_seconds, lock_group)
         if not rows:
             return None
         self._dirty = True
@@ -490,34 +526,31 @@ class Transaction:
                     return []
                 adapter.wait(self.connection, state, min(remaining, MAX_WAIT_SLICE))
                 self._due_step(force=False)
-                if self._queue_disabled(q.queue_id):
-                    raise QueueDisabled(f"queue {q.name!r} was disabled while waiting")
         finally:
             adapter.end_wait(state)
 
-    def _queue_disabled(self, queue_id: int) -> bool:
-        return not self._execute(
-            select(s.queue.c.status).where(s.queue.c.queue_id == queue_id)
-        ).scalar()
-
     def _due_step(self, *, force: bool) -> None:
         b = self.broker
-        now_m = time.monotonic()
-        if not force and now_m - b.last_due_work < DUE_WORK_INTERVAL:
+        if not force and time.monotonic() < b.next_due_work:
             return
-        b.last_due_work = now_m
+        b.next_due_work = time.monotonic() + DUE_POLL_SECONDS
         if b.dialect == "postgresql":
             # In a short transaction of its own: a timer fires once, whatever this one does.
             with b.engine.begin() as conn:
-                DueWork(b, conn).run(utcnow())
+                work = DueWork(b, conn)
+                work.run(utcnow())
         elif self._dirty:
             # SQLite: this transaction holds the only write lock; do it inside it.
-            DueWork(b, self.connection).run(utcnow())
+            work = DueWork(b, self.connection)
+            work.run(utcnow())
         else:
             # Nothing of the caller's is in this transaction yet: commit the due work on its own,
             # so that a waiting RECEIVE that later gives the write lock back does not undo it.
-            DueWork(b, self.connection).run(utcnow())
+            work = DueWork(b, self.connection)
+            work.run(utcnow())
             self.connection.commit()
+        if work.next_due is not None:
+            b.note_due(work.next_due)
 
     # -- END CONVERSATION ----------------------------------------------------------------------
     def end_conversation(
@@ -589,9 +622,7 @@ class Transaction:
             .values(send_sequence=seq + 1)
         )
         validation = "X" if body is not None else "E"
-        Delivery(self.broker, self.connection, self._notify).route(
-            row, message_type, seq, body, validation, now
-        )
+        Delivery(self.broker, self.connection).route(row, message_type, seq, body, validation, now)
 
     # -- timers, groups, endpoints -------------------------------------------------------------
     def begin_conversation_timer(self, handle: Handle, timeout_seconds: float) -> None:
@@ -609,11 +640,9 @@ class Transaction:
             raise ConversationEnded(f"conversation {h} has ended ({row.state}): no timer on it")
         e = s.conversation_endpoint
         self._dirty = True
-        self._execute(
-            update(e)
-            .where(e.c.conversation_handle == h)
-            .values(timer_due_at=utcnow() + timedelta(seconds=timeout_seconds))
-        )
+        due = utcnow() + timedelta(seconds=timeout_seconds)
+        self._execute(update(e).where(e.c.conversation_handle == h).values(timer_due_at=due))
+        self.broker.note_due(due)
 
     def move_conversation(self, handle: Handle, to_conversation_group: Handle) -> None:
         """MOVE CONVERSATION into another conversation group on the same queue."""
