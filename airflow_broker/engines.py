@@ -78,7 +78,9 @@ class WaitState:
 class EngineAdapter(Protocol):
     dialect: str
 
-    def open_lease(self, conn: Connection, queue_id: int) -> Lease: ...
+    def new_lease_key(self) -> int | None: ...
+
+    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> Lease: ...
 
     def leases_committing(self, conn: Connection, leases: list[Lease]) -> None: ...
 
@@ -186,36 +188,44 @@ class PostgresAdapter:
         backend: tuple[int, datetime | None] = info["broker_backend"]
         return backend
 
-    def open_lease(self, conn: Connection, queue_id: int) -> Lease:
-        pid, backend_start = self._backend(conn)
+    def new_lease_key(self) -> int | None:
+        """A key for the lease of the next receive; RECEIVE's statement marks it on commit."""
+        return random.randint(1, 2**31 - 1)
+
+    def _insert_lease(self, key: int, queue_id: int, pid: int, backend_start: Any) -> bool:
         with self._side_connection() as side:
-            while True:
-                key = random.randint(1, 2**31 - 1)
-                cur = side.execute(
-                    "INSERT INTO broker_receive_lease (lease_key, queue_id, pid, backend_start, "
-                    "started_at) VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-                    (key, queue_id, pid, backend_start, utcnow()),
-                )
-                if cur.rowcount == 1:
-                    return Lease(queue_id=queue_id, key=key)
+            cur = side.execute(
+                "INSERT INTO broker_receive_lease (lease_key, queue_id, pid, backend_start, "
+                "started_at) VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                (key, queue_id, pid, backend_start, utcnow()),
+            )
+        return bool(cur.rowcount == 1)
+
+    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> Lease:
+        """Register, outside the transaction, that it holds messages of ``queue_id``.
+
+        Called right after the RECEIVE statement that took messages and inserted the commit
+        marker for ``key`` (that same statement, so the marker exists if and only if the
+        transaction commits)."""
+        assert key is not None
+        pid, backend_start = self._backend(conn)
+        while not self._insert_lease(key, queue_id, pid, backend_start):
+            # A 1-in-2^31 clash with a live lease: take another key and mark that one too.
+            key = random.randint(1, 2**31 - 1)
+            conn.execute(
+                text(
+                    "INSERT INTO broker_receive_commit (lease_key) VALUES (:k) "
+                    "ON CONFLICT DO NOTHING"
+                ),
+                {"k": key},
+            )
+        return Lease(queue_id=queue_id, key=key)
 
     def leases_committing(self, conn: Connection, leases: list[Lease]) -> None:
-        # Deleted by the reader's own transaction: atomically gone if and only if it commits;
-        # in the same round trip, the commit breaks its queues' run of rollbacks.
-        conn.execute(
-            text(
-                "WITH gone AS (DELETE FROM broker_receive_lease WHERE lease_key = ANY(:keys)) "
-                "UPDATE broker_queue SET rollback_count = 0 "
-                "WHERE queue_id = ANY(:queue_ids) AND rollback_count > 0"
-            ),
-            {
-                "keys": [lease.key for lease in leases],
-                "queue_ids": sorted({lease.queue_id for lease in leases}),
-            },
-        )
+        """Nothing left to do: RECEIVE's statement wrote the markers and reset the run."""
 
     def close_leases(self, leases: list[Lease]) -> None:
-        """Nothing to release: the rows are gone with a commit, or counted by the caller."""
+        """Nothing to release: the due-work pass clears committed leases."""
 
     def forget_leases(self, conn: Connection, leases: list[Lease]) -> list[int]:
         """After a rollback: delete this transaction's lease rows; returns the queues to count.
@@ -231,12 +241,25 @@ class PostgresAdapter:
         return [r.queue_id for r in rows]
 
     def reap_dead_leases(self, conn: Connection) -> list[int]:
+        """Clear leases of committed transactions; return the queues of those whose reader died
+        (backend gone, no commit marker): each one is a rolled-back receive."""
+        conn.execute(
+            text(
+                "WITH done AS (DELETE FROM broker_receive_commit c "
+                " USING broker_receive_lease l WHERE c.lease_key = l.lease_key "
+                " RETURNING c.lease_key) "
+                "DELETE FROM broker_receive_lease WHERE lease_key IN (SELECT lease_key FROM done)"
+            )
+        )
         rows = conn.execute(
             text(
                 "DELETE FROM broker_receive_lease l WHERE NOT EXISTS ("
                 " SELECT 1 FROM pg_stat_activity a WHERE a.pid = l.pid"
                 " AND (a.backend_start IS NULL OR l.backend_start IS NULL"
-                "      OR a.backend_start = l.backend_start)) RETURNING queue_id"
+                "      OR a.backend_start = l.backend_start))"
+                " AND NOT EXISTS (SELECT 1 FROM broker_receive_commit c"
+                "                 WHERE c.lease_key = l.lease_key)"
+                " RETURNING queue_id"
             )
         )
         return [r.queue_id for r in rows]
@@ -316,7 +339,10 @@ class SqliteAdapter:
         """Nothing held."""
 
     # -- leases --------------------------------------------------------------------------------
-    def open_lease(self, conn: Connection, queue_id: int) -> Lease:
+    def new_lease_key(self) -> int | None:
+        return None  # the lease is a locked file, named when it is opened
+
+    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> Lease:
         if self._lease_dir is None:
             return Lease(queue_id=queue_id)  # an in-memory database dies with its process
         self._lease_dir.mkdir(exist_ok=True)

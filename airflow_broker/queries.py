@@ -111,26 +111,50 @@ def _typed(sql: str, *, by_handle: bool, by_group: bool) -> TextClause:
 
 @cache
 def claim_statement(
-    dialect: str, *, by_handle: bool = False, by_group: bool = False, retention: bool = False
+    dialect: str,
+    *,
+    by_handle: bool = False,
+    by_group: bool = False,
+    retention: bool = False,
+    mark: bool = False,
 ) -> TextClause:
     """RECEIVE: lock one conversation group and take up to ``:top`` of its ready messages.
 
     Bind ``queue_id``, ``top`` (None on PostgreSQL / -1 on SQLite for no limit) and ``handle`` or
     ``group_id`` when filtering. Rows come back unordered (RETURNING keeps no order): sort them
     by :data:`GROUP_ORDER`'s columns.
+
+    ``mark`` (PostgreSQL, poison handling on; bind ``lease_key``): when messages are taken, the
+    same statement inserts this transaction's commit marker for its lease and ends the queue's run
+    of rolled-back receives, both of which take effect only if the transaction commits.
     """
     picker = _group_picker(dialect, by_handle=by_handle, by_group=by_group)
     handle_filter = "AND m.conversation_handle = :handle" if by_handle else ""
     take = "UPDATE broker_message SET status = 0" if retention else "DELETE FROM broker_message"
-    sql = (
+    picked = (
         f"WITH grp AS ({picker}), "
         "picked AS (SELECT m.queuing_order FROM broker_message m "
         "WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) "
         f"AND m.queue_id = :queue_id AND m.status = 1 {handle_filter} "
-        f"ORDER BY {GROUP_ORDER} LIMIT :top) "
+        f"ORDER BY {GROUP_ORDER} LIMIT :top)"
+    )
+    taking = (
         f"{take} WHERE queuing_order IN (SELECT queuing_order FROM picked) "
         f"RETURNING {', '.join(MESSAGE_COLUMNS)}"
     )
+    if mark:
+        sql = (
+            f"{picked}, taken AS ({taking}), "
+            "marked AS (INSERT INTO broker_receive_commit (lease_key) "
+            "SELECT CAST(:lease_key AS integer) WHERE EXISTS (SELECT 1 FROM taken) "
+            "ON CONFLICT DO NOTHING), "
+            "reset AS (UPDATE broker_queue SET rollback_count = 0 "
+            "WHERE queue_id = :queue_id AND rollback_count > 0 "
+            "AND EXISTS (SELECT 1 FROM taken)) "
+            "SELECT * FROM taken"
+        )
+    else:
+        sql = f"{picked} {taking}"
     clause = _typed(sql, by_handle=by_handle, by_group=by_group)
     return clause.columns(*(_col(name) for name in MESSAGE_COLUMNS))  # type: ignore[return-value]
 

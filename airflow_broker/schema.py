@@ -353,3 +353,11 @@ receive_lease = Table(
         "belongs to a reader that died holding messages: poison handling counts it as a rollback."
     ),
 )
+
+receive_commit = Table(
+    "broker_receive_commit",
+    metadata,
+    Column("lease_key", Integer, primary_key=True, autoincrement=False),
+    info={"unlogged": True},
+    comment="Leases whose receiving transaction committed (written inside that transaction).",
+)

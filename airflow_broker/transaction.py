@@ -428,13 +428,21 @@ class Transaction:
             params["handle"] = as_uuid(conversation_handle, "conversation handle")
         if conversation_group is not None:
             params["group_id"] = as_uuid(conversation_group, "conversation group")
+        adapter = self.broker.adapter
+        lease = self._leases.get(q.queue_id)
+        key = lease.key if lease is not None else adapter.new_lease_key()
+        # PostgreSQL: the claim itself writes the commit marker of this transaction's lease.
+        mark = bool(q.poison_message_handling) and self.broker.dialect == "postgresql"
+        if mark:
+            params["lease_key"] = key
+        by_handle, by_group = conversation_handle is not None, conversation_group is not None
         stmt = queries.claim_statement(
             self.broker.dialect,
-            by_handle=conversation_handle is not None,
-            by_group=conversation_group is not None,
+            by_handle=by_handle,
+            by_group=by_group,
             retention=q.retention,
+            mark=mark,
         )
-        by_handle, by_group = conversation_handle is not None, conversation_group is not None
 
         def claim() -> list[Any]:
             rows: list[Any] = self._execute(stmt, params).all()
@@ -456,8 +464,8 @@ class Transaction:
         if not rows:
             return []
         self._dirty = True
-        if q.poison_message_handling and q.queue_id not in self._leases:
-            self._leases[q.queue_id] = self.broker.adapter.open_lease(self.connection, q.queue_id)
+        if q.poison_message_handling and lease is None:
+            self._leases[q.queue_id] = adapter.open_lease(self.connection, q.queue_id, key)
         rows.sort(
             key=lambda r: (
                 -r.priority,
