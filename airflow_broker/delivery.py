@@ -10,6 +10,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
+    Uuid,
     bindparam,
     delete,
     exists,
@@ -111,8 +112,12 @@ def on_fast_path(sender: Any) -> bool:
     )
 
 
-#: PostgreSQL: the whole SEND for many conversations in one statement: next sequence numbers
-#: on the senders, expected sequence numbers on the far endpoints, the messages in their queues.
+# The fast path writes only the sender's endpoint, never the far one: two readers sending on one
+# dialog in opposite directions would otherwise lock the two endpoint rows in opposite orders and
+# deadlock. The far side's receive_sequence is derived where it is shown (Transaction.conversation).
+
+#: PostgreSQL: SEND of one message on many conversations in one statement: next sequence numbers
+#: on the senders (locked by the caller's SELECT ... FOR UPDATE), the messages in the far queues.
 _FAST_SEND_PG = text(
     """
 WITH snd AS (
@@ -120,11 +125,6 @@ WITH snd AS (
     SET send_sequence = v.seq + 1,
         state = CASE WHEN e.state = 'SO' THEN 'CO' ELSE e.state END
     FROM unnest(CAST(:handles AS uuid[]), CAST(:seqs AS bigint[])) AS v(handle, seq)
-    WHERE e.conversation_handle = v.handle
-), far AS (
-    UPDATE broker_conversation_endpoint e
-    SET receive_sequence = v.seq + 1
-    FROM unnest(CAST(:far_handles AS uuid[]), CAST(:seqs AS bigint[])) AS v(handle, seq)
     WHERE e.conversation_handle = v.handle
 )
 INSERT INTO broker_message (
@@ -147,11 +147,43 @@ _SENDER_NEXT = (
     .where(_e.c.conversation_handle == bindparam("b_handle"))
     .values(send_sequence=bindparam("b_next"), state=bindparam("b_state"))
 )
-_FAR_EXPECTS = (
-    update(_e)
-    .where(_e.c.conversation_handle == bindparam("b_handle"))
-    .values(receive_sequence=bindparam("b_next"))
+
+#: PostgreSQL: SEND of one message on one conversation, checks included, in one statement. It
+#: writes only when the conversation is on the fast path (see on_fast_path) and may send this
+#: message type under its contract; otherwise it returns no row, writes nothing, and the caller
+#: takes the general path, which says precisely what is wrong.
+SEND_ONE_PG = text(
+    """
+WITH snd AS (
+    UPDATE broker_conversation_endpoint e
+    SET send_sequence = e.send_sequence + 1,
+        state = CASE WHEN e.state = 'SO' THEN 'CO' ELSE e.state END
+    FROM broker_conversation_endpoint f, broker_queue fq, broker_queue q,
+         broker_contract_message cm
+    WHERE e.conversation_handle = :handle
+      AND e.state IN ('SO', 'SI', 'CO')
+      AND (e.lifetime IS NULL OR e.lifetime > :now)
+      AND f.conversation_handle = e.far_handle
+      AND fq.queue_id = f.queue_id AND fq.status
+      AND q.queue_id = e.queue_id AND NOT q.retention
+      AND cm.contract_name = e.contract_name AND cm.message_type_name = :message_type
+      AND cm.sent_by IN ('any', CASE WHEN e.is_initiator THEN 'initiator' ELSE 'target' END)
+      AND NOT EXISTS (SELECT 1 FROM broker_transmission_queue t
+                      WHERE t.conversation_handle = e.conversation_handle)
+    RETURNING e.send_sequence - 1 AS seq, f.queue_id, f.conversation_group_id,
+              f.conversation_handle, f.priority, f.service_name, e.contract_name
+), ins AS (
+    INSERT INTO broker_message (
+        queue_id, conversation_group_id, conversation_handle, message_sequence_number, status,
+        priority, precedence, service_name, service_contract_name, message_type_name,
+        validation, message_body, enqueued_at)
+    SELECT queue_id, conversation_group_id, conversation_handle, seq, 1, priority, :precedence,
+           service_name, contract_name, :message_type, :validation, :body, :now
+    FROM snd
 )
+SELECT seq FROM snd
+"""
+).bindparams(bindparam("handle", type_=Uuid()))
 
 
 def send_fast(
@@ -164,7 +196,7 @@ def send_fast(
     now: datetime,
 ) -> None:
     """SEND on conversations that are all :func:`on_fast_path`, set-based: one statement on
-    PostgreSQL, three executemany batches on SQLite."""
+    PostgreSQL, two executemany batches on SQLite."""
     if dialect == "postgresql":
         conn.execute(
             _FAST_SEND_PG,
@@ -216,10 +248,6 @@ def send_fast(
             }
             for r in senders
         ],
-    )
-    conn.execute(
-        _FAR_EXPECTS,
-        [{"b_handle": r.far_handle, "b_next": r.send_sequence + 1} for r in senders],
     )
 
 
@@ -599,6 +627,20 @@ def priority_for(broker: Broker, conn: Connection, contract: str, local: str, re
         if best is None or rank > best[0]:
             best = (rank, p.priority)
     return best[1] if best else 5
+
+
+def message_type_def(broker: Broker, conn: Connection, message_type: str) -> tuple[str, Any] | None:
+    """(validation, json_schema) of a message type, or None if there is no such type."""
+
+    def load() -> tuple[str, Any] | None:
+        row = conn.execute(
+            select(s.message_type.c.validation, s.message_type.c.json_schema).where(
+                s.message_type.c.name == message_type
+            )
+        ).first()
+        return None if row is None else (row.validation, row.json_schema)
+
+    return broker.cached_definition(("message_type", message_type), load)
 
 
 def contract_rule(

@@ -510,3 +510,54 @@ def test_waiting_receive_wakes_when_another_process_commits_a_send(
         )
     finally:
         broker.dispose()
+
+
+@pytest.mark.timeout(120)
+def test_both_sides_sending_on_one_dialog_at_once_never_deadlock(pg_url: str) -> None:
+    """The two endpoints of a dialog send to each other at the same time, each side in its own
+    transactions held open for a moment: SEND locks only the sender's endpoint, so the two can
+    never wait on each other (PostgreSQL would abort one with a deadlock error)."""
+    import threading
+
+    broker = Broker.connect(pg_url)
+    try:
+        with broker.definitions() as d:
+            d.create_queue(INIT_QUEUE)
+            d.create_queue(TARGET_QUEUE)
+            d.create_service(INIT_SERVICE, queue=INIT_QUEUE)
+            d.create_service(TARGET_SERVICE, queue=TARGET_QUEUE, contracts=["DEFAULT"])
+        with broker.transaction() as tx:
+            init_h = tx.begin_dialog(INIT_SERVICE, TARGET_SERVICE)
+            tx.send(init_h, body="hello")
+        with broker.transaction() as tx:
+            (first,) = tx.receive(TARGET_QUEUE)
+        target_h = first.conversation_handle
+        rounds = 60
+        errors: list[BaseException] = []
+        start = threading.Barrier(2)
+
+        def side(handle: uuid.UUID) -> None:
+            try:
+                start.wait()
+                for i in range(rounds):
+                    with broker.transaction() as tx:
+                        tx.send(handle, body=str(i))
+                        time.sleep(0.005)  # hold the lock while the other side sends
+            except BaseException as exc:  # pragma: no cover - the assertion shows it
+                errors.append(exc)
+
+        threads = [threading.Thread(target=side, args=(h,)) for h in (init_h, target_h)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=90)
+        assert not errors, errors
+        for queue, expected in ((TARGET_QUEUE, rounds), (INIT_QUEUE, rounds)):
+            with broker.transaction() as tx:
+                bodies = [m.text() for m in tx.receive(queue)]
+            assert bodies == [str(i) for i in range(expected)], queue
+        with broker.transaction() as tx:
+            assert tx.conversation(init_h).receive_sequence == rounds
+            assert tx.conversation(target_h).receive_sequence == rounds + 1
+    finally:
+        broker.dispose()

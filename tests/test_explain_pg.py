@@ -193,7 +193,9 @@ def test_claim_really_runs_on_the_deep_queue_through_its_index(conn: Connection)
     nodes = list(_plan_nodes(plan))
     # broker_queue holds a handful of rows: the planner rightly reads it whole.
     seq = [
-        n for n in nodes if n["Node Type"] == "Seq Scan" and n.get("Relation Name") != "broker_queue"
+        n
+        for n in nodes
+        if n["Node Type"] == "Seq Scan" and n.get("Relation Name") != "broker_queue"
     ]
     assert not seq, f"sequential scans: {[n.get('Relation Name') for n in seq]}"
     assert plan["Actual Rows"] == PER_DIALOG, plan
