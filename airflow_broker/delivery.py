@@ -629,6 +629,53 @@ def priority_for(broker: Broker, conn: Connection, contract: str, local: str, re
     return best[1] if best else 5
 
 
+#: PostgreSQL: SEND of one message on many conversations in one statement, all or nothing: it
+#: writes only if every conversation is on the fast path and may send this message type (the
+#: ``cand`` rows, read without locks); it returns how many it wrote. 0 sends the caller down the
+#: general path. The UPDATE re-checks each sender's state on its latest version, so a
+#: conversation ended concurrently is skipped, and the count tells the caller (who then fails the
+#: transaction: a partial SEND must not commit).
+SEND_MANY_PG = text(
+    """
+WITH cand AS (
+    SELECT e.conversation_handle, f.queue_id, f.conversation_group_id,
+           f.conversation_handle AS far_handle, f.priority, f.service_name, e.contract_name
+    FROM broker_conversation_endpoint e
+    JOIN broker_conversation_endpoint f ON f.conversation_handle = e.far_handle
+    JOIN broker_queue fq ON fq.queue_id = f.queue_id AND fq.status
+    JOIN broker_queue q ON q.queue_id = e.queue_id AND NOT q.retention
+    JOIN broker_contract_message cm
+      ON cm.contract_name = e.contract_name AND cm.message_type_name = :message_type
+     AND cm.sent_by IN ('any', CASE WHEN e.is_initiator THEN 'initiator' ELSE 'target' END)
+    WHERE e.conversation_handle = ANY(CAST(:handles AS uuid[]))
+      AND e.state IN ('SO', 'SI', 'CO')
+      AND (e.lifetime IS NULL OR e.lifetime > :now)
+      AND NOT EXISTS (SELECT 1 FROM broker_transmission_queue t
+                      WHERE t.conversation_handle = e.conversation_handle)
+), snd AS (
+    UPDATE broker_conversation_endpoint e
+    SET send_sequence = e.send_sequence + 1,
+        state = CASE WHEN e.state = 'SO' THEN 'CO' ELSE e.state END
+    FROM cand
+    WHERE e.conversation_handle = cand.conversation_handle
+      AND (SELECT count(*) FROM cand) = :n
+      AND e.state IN ('SO', 'SI', 'CO')
+    RETURNING e.conversation_handle, e.send_sequence - 1 AS seq
+), ins AS (
+    INSERT INTO broker_message (
+        queue_id, conversation_group_id, conversation_handle, message_sequence_number, status,
+        priority, precedence, service_name, service_contract_name, message_type_name,
+        validation, message_body, enqueued_at)
+    SELECT cand.queue_id, cand.conversation_group_id, cand.far_handle, snd.seq, 1,
+           cand.priority, :precedence, cand.service_name, cand.contract_name, :message_type,
+           :validation, :body, :now
+    FROM snd JOIN cand ON cand.conversation_handle = snd.conversation_handle
+)
+SELECT count(*) AS sent FROM snd
+"""
+)
+
+
 def message_type_def(broker: Broker, conn: Connection, message_type: str) -> tuple[str, Any] | None:
     """(validation, json_schema) of a message type, or None if there is no such type."""
 

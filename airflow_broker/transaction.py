@@ -34,6 +34,7 @@ from airflow_broker.constants import (
     state_desc,
 )
 from airflow_broker.delivery import (
+    SEND_MANY_PG,
     SEND_ONE_PG,
     Delivery,
     contract_rule,
@@ -100,6 +101,7 @@ class Transaction:
         self._leases: dict[int, Lease] = {}
         self._dirty = False
         self._done = False
+        self._doomed: str | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Transaction:
@@ -121,6 +123,9 @@ class Transaction:
     def commit(self) -> None:
         """Commit: SENDs become visible to readers, RECEIVEd messages are gone for good."""
         self._check_open()
+        if self._doomed is not None:
+            self._after_rollback()
+            raise BrokerError(f"transaction rolled back instead of committing: {self._doomed}")
         conn = self.connection
         leases = list(self._leases.values())
         adapter = self.broker.adapter
@@ -331,9 +336,7 @@ class Transaction:
             )
         payload = encode_body(body)
         now = utcnow()
-        if len(handle_list) == 1 and self._send_one_fast(
-            handle_list[0], message_type, payload, now
-        ):
+        if self._send_fast(handle_list, message_type, payload, now):
             return
         rows = {
             r.conversation_handle: r
@@ -388,10 +391,10 @@ class Transaction:
                 self._retain_sent(row, message_type, seq, payload, code, now)
             delivery.route(row, message_type, seq, payload, code, now)
 
-    def _send_one_fast(
-        self, handle: uuid.UUID, message_type: str, payload: bytes | None, now: datetime
+    def _send_fast(
+        self, handles: list[uuid.UUID], message_type: str, payload: bytes | None, now: datetime
     ) -> bool:
-        """PostgreSQL: SEND on one conversation in one statement when it is on the fast path.
+        """PostgreSQL: SEND in one statement when every conversation is on the fast path.
         False (nothing written) sends the caller down the general path."""
         if self.broker.dialect != "postgresql":
             return False
@@ -403,20 +406,29 @@ class Transaction:
             validate_body(message_type, validation, json_schema, payload)
         except MessageValidationError:
             return False  # the general path raises it, after the checks that come first
-        row = self._execute(
-            SEND_ONE_PG,
-            {
-                "handle": handle,
-                "now": now,
-                "message_type": message_type,
-                "precedence": precedence(message_type),
-                "validation": VALIDATION_CODES[validation],
-                "body": payload,
-            },
-        ).first()
-        if row is None:
+        params = {
+            "now": now,
+            "message_type": message_type,
+            "precedence": precedence(message_type),
+            "validation": VALIDATION_CODES[validation],
+            "body": payload,
+        }
+        if len(handles) == 1:
+            row = self._execute(SEND_ONE_PG, {**params, "handle": handles[0]}).first()
+            sent = 0 if row is None else 1
+        else:
+            sent = self._execute(
+                SEND_MANY_PG, {**params, "handles": handles, "n": len(handles)}
+            ).scalar_one()
+        if sent == 0:
             return False
         self._dirty = True
+        if sent != len(handles):
+            self._doomed = (
+                f"SEND on {len(handles)} conversations reached only {sent}: another "
+                "transaction ended one of them meanwhile; this transaction must roll back"
+            )
+            raise BrokerError(self._doomed)
         return True
 
     def _check_sendable(self, row: Any, now: datetime) -> None:
