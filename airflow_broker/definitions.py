@@ -69,6 +69,14 @@ class Definitions:
         if self._exists(table, column, value):
             raise ObjectExists(f"{what} {value!r} already exists")
 
+    def _refuse_if_used(self, what: str, users: Any, kind: str) -> None:
+        """DROP refuses an object that others still use, and names them."""
+        names = sorted(self._conn.execute(users).scalars())
+        if names:
+            raise InvalidDefinition(
+                f"{what} is used by {kind} {', '.join(names)}; drop or alter those first"
+            )
+
     def _queue_row(self, name: str) -> Row[Any]:
         row = self._conn.execute(select(s.queue).where(s.queue.c.name == name)).first()
         if row is None:
@@ -97,20 +105,13 @@ class Definitions:
             raise InvalidDefinition(
                 f"message type {DEFAULT!r} is a system object and cannot be dropped"
             )
-        users = (
-            self._conn.execute(
-                select(s.contract_message.c.contract_name).where(
-                    s.contract_message.c.message_type_name == name
-                )
-            )
-            .scalars()
-            .all()
+        self._refuse_if_used(
+            f"message type {name!r}",
+            select(s.contract_message.c.contract_name).where(
+                s.contract_message.c.message_type_name == name
+            ),
+            "contract(s)",
         )
-        if users:
-            raise InvalidDefinition(
-                f"message type {name!r} is used by contract(s) {', '.join(sorted(users))}; "
-                "drop those first"
-            )
         self._conn.execute(delete(s.message_type).where(s.message_type.c.name == name))
 
     # -- contracts -----------------------------------------------------------------------------
@@ -163,20 +164,13 @@ class Definitions:
             raise InvalidDefinition(
                 f"contract {DEFAULT!r} is a system object and cannot be dropped"
             )
-        users = (
-            self._conn.execute(
-                select(s.service_contract.c.service_name).where(
-                    s.service_contract.c.contract_name == name
-                )
-            )
-            .scalars()
-            .all()
+        self._refuse_if_used(
+            f"contract {name!r}",
+            select(s.service_contract.c.service_name).where(
+                s.service_contract.c.contract_name == name
+            ),
+            "service(s)",
         )
-        if users:
-            raise InvalidDefinition(
-                f"contract {name!r} is used by service(s) {', '.join(sorted(users))}; "
-                "drop or alter those first"
-            )
         self._conn.execute(delete(s.contract).where(s.contract.c.name == name))
 
     # -- queues --------------------------------------------------------------------------------
@@ -263,15 +257,11 @@ class Definitions:
 
     def drop_queue(self, name: str) -> None:
         row = self._queue_row(name)
-        users = (
-            self._conn.execute(select(s.service.c.name).where(s.service.c.queue_id == row.queue_id))
-            .scalars()
-            .all()
+        self._refuse_if_used(
+            f"queue {name!r}",
+            select(s.service.c.name).where(s.service.c.queue_id == row.queue_id),
+            "service(s)",
         )
-        if users:
-            raise InvalidDefinition(
-                f"queue {name!r} is used by service(s) {', '.join(sorted(users))}; drop those first"
-            )
         self._conn.execute(delete(s.queue).where(s.queue.c.queue_id == row.queue_id))
 
     # -- services ------------------------------------------------------------------------------
