@@ -88,15 +88,25 @@ def _group_picker(dialect: str, *, by_handle: bool, by_group: bool) -> str:
             f"WHERE g.conversation_group_id = :group_id AND g.queue_id = :queue_id "
             f"AND {_ENABLED} {lock}"
         )
-    join = (
-        "JOIN broker_conversation_group g ON g.conversation_group_id = m.conversation_group_id"
-        if pg
-        else ""
-    )
+    if pg:
+        # The group row is locked in a LATERAL subquery, once per ready message in queue order,
+        # until one is free. A subquery with a locking clause is never flattened, so this stays
+        # a nested loop over the ready-message index whatever the statistics say: a queue table
+        # analyzed while empty would otherwise get a hash join that reads and sorts every ready
+        # message (measured: 2.0 ms instead of 0.13 ms for 1,000 messages).
+        return (
+            "SELECT l.conversation_group_id FROM broker_message m "
+            "CROSS JOIN LATERAL (SELECT g.conversation_group_id "
+            "FROM broker_conversation_group g "
+            "WHERE g.conversation_group_id = m.conversation_group_id "
+            "FOR NO KEY UPDATE SKIP LOCKED) l "
+            f"WHERE m.queue_id = :queue_id AND m.status = 1 AND {_ENABLED} "
+            "ORDER BY m.priority DESC, m.queuing_order LIMIT 1"
+        )
     return (
-        f"SELECT m.conversation_group_id FROM broker_message m {join} "
+        "SELECT m.conversation_group_id FROM broker_message m "
         f"WHERE m.queue_id = :queue_id AND m.status = 1 AND {_ENABLED} "
-        f"ORDER BY m.priority DESC, m.queuing_order LIMIT 1 {lock_g}"
+        "ORDER BY m.priority DESC, m.queuing_order LIMIT 1"
     )
 
 

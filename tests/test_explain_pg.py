@@ -206,3 +206,40 @@ def test_claim_really_runs_on_the_deep_queue_through_its_index(conn: Connection)
     )
     assert read <= 2 * PER_DIALOG, f"a scan of broker_message returned {read} rows"
     print(f"\nclaim of {PER_DIALOG} messages: {raw[0]['Execution Time']:.1f} ms")
+
+
+def test_claim_plan_survives_statistics_taken_while_the_queue_was_empty(pg_broker: Broker) -> None:
+    """Queue tables are often analyzed while empty. The claim must still walk the ready-message
+    index in queue order and stop at the first free group, not hash-join and sort the queue."""
+    with pg_broker.definitions() as d:
+        d.create_queue("stats_q")
+        d.create_service("//stats/s", queue="stats_q", contracts=["DEFAULT"])
+    with pg_broker.transaction() as tx:
+        handles = [tx.begin_dialog("//stats/s", "//stats/s") for _ in range(50)]
+    autocommit = pg_broker.engine.execution_options(isolation_level="AUTOCOMMIT")
+    with autocommit.connect() as conn:
+        conn.execute(text("VACUUM ANALYZE"))
+    for _ in range(20):
+        with pg_broker.transaction() as tx:
+            tx.send(handles, body=b"x")
+    stmt = queries.claim_statement("postgresql", mark=True)
+    with pg_broker.engine.connect() as conn:
+        queue_id = conn.execute(
+            text("SELECT queue_id FROM broker_queue WHERE name = 'stats_q'")
+        ).scalar_one()
+        raw = conn.execute(
+            text(f"EXPLAIN (ANALYZE, FORMAT JSON) {_sql(stmt)}"),
+            {"queue_id": queue_id, "top": 1, "lease_key": 1},
+        ).scalar_one()
+        conn.rollback()
+    nodes = list(_plan_nodes(raw[0]["Plan"]))
+    kinds = {n["Node Type"] for n in nodes}
+    assert "Hash Join" not in kinds, kinds
+    ready_reads = [
+        n["Actual Rows"]
+        for n in nodes
+        if n.get("Relation Name") == "broker_message"
+        and n.get("Index Name") == "ix_broker_message_ready"
+    ]
+    # 1,000 ready messages: the first one in order belongs to a free group, so one row is read.
+    assert ready_reads == [1], ready_reads
