@@ -656,3 +656,17 @@ def test_send_to_disabled_queue_waits_then_delivers_in_order(broker: Broker) -> 
     assert broker.transmission_queue() == []
     got = early + receive(broker, SUPPLIER_QUEUE)
     assert [m.json()["n"] for m in got] == [1, 2, 3]
+
+
+def test_waiting_receive_fires_a_due_timer_without_run_due(broker: Broker) -> None:
+    """Nobody calls run_due(): RECEIVE's own due-work step fires the timer it is waiting for."""
+    h, _target = open_order(broker)
+    with broker.transaction() as tx:
+        tx.begin_conversation_timer(h, 0.3)
+    started = time.monotonic()
+    with broker.transaction() as tx:
+        got = tx.receive(BUYER_QUEUE, wait_seconds=5)
+    waited = time.monotonic() - started
+    assert [m.message_type_name for m in got] == [DIALOG_TIMER]
+    assert got[0].conversation_handle == h
+    assert 0.25 <= waited < 1.5, waited
