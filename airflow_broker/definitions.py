@@ -262,6 +262,7 @@ class Definitions:
             select(s.service.c.name).where(s.service.c.queue_id == row.queue_id),
             "service(s)",
         )
+        self._conn.execute(delete(s.message).where(s.message.c.queue_id == row.queue_id))
         self._conn.execute(delete(s.queue).where(s.queue.c.queue_id == row.queue_id))
 
     # -- services ------------------------------------------------------------------------------
@@ -295,6 +296,10 @@ class Definitions:
     def drop_service(self, name: str) -> None:
         """DROP SERVICE: its conversations go with it, as in Service Broker."""
         self._require(s.service, s.service.c.name, name, "service")
+        endpoints = select(s.conversation_endpoint.c.conversation_handle).where(
+            s.conversation_endpoint.c.service_name == name
+        )
+        self._conn.execute(delete(s.message).where(s.message.c.conversation_handle.in_(endpoints)))
         self._conn.execute(
             delete(s.conversation_endpoint).where(s.conversation_endpoint.c.service_name == name)
         )

@@ -328,7 +328,8 @@ class Delivery:
         body: bytes | None,
         validation: str,
         now: datetime,
-    ) -> None:
+    ) -> bool:
+        """Deliver one message; False when it went to the transmission queue instead."""
         if sender.has_pending:
             self._to_transmission(
                 sender,
@@ -339,7 +340,7 @@ class Delivery:
                 now,
                 "waiting behind earlier messages of this conversation",
             )
-            return
+            return False
         if sender.far_handle is not None:
             if sender.far_queue_id is None:
                 if sender.far_broker_instance not in (None, self.instance_id):
@@ -352,7 +353,7 @@ class Delivery:
                         now,
                         "waiting for delivery to another broker",
                     )
-                    return
+                    return False
                 # The far endpoint was removed WITH CLEANUP: the conversation is gone there.
                 self._error_back(
                     sender,
@@ -361,7 +362,7 @@ class Delivery:
                     f"{sender.far_service!r}) no longer exists",
                     now,
                 )
-                return
+                return True
             if not sender.far_queue_status:
                 self._to_transmission(
                     sender,
@@ -372,7 +373,7 @@ class Delivery:
                     now,
                     f"the target queue {sender.far_queue_name!r} is disabled",
                 )
-                return
+                return False
             self._enqueue_far(
                 sender.far_queue_id,
                 sender.far_group_id,
@@ -387,7 +388,7 @@ class Delivery:
                 now,
             )
             self._far_received(sender.far_handle, seq, message_type, sender.far_state)
-            return
+            return True
         # First message of the dialog: find the target service in this broker.
         target = self._local_target(sender)
         if target is None:
@@ -401,7 +402,7 @@ class Delivery:
                 f"no route to service {sender.far_service!r}: it is not hosted by this broker "
                 "and no route reaches it yet (the conversation is delayed and retried)",
             )
-            return
+            return False
         if sender.contract_name not in target["contracts"]:
             self._error_back(
                 sender,
@@ -409,7 +410,7 @@ class Delivery:
                 f"service {sender.far_service!r} does not accept contract {sender.contract_name!r}",
                 now,
             )
-            return
+            return True
         if not target["queue_status"]:
             self._to_transmission(
                 sender,
@@ -420,7 +421,7 @@ class Delivery:
                 now,
                 f"the target queue {target['queue_name']!r} is disabled",
             )
-            return
+            return False
         far = self._create_target_endpoint(sender, target, now)
         self._enqueue_far(
             target["queue_id"],
@@ -436,6 +437,7 @@ class Delivery:
             now,
         )
         self._far_received(far["handle"], seq, message_type, "CO")
+        return True
 
     def _local_target(self, sender: Any) -> dict[str, Any] | None:
         if sender.far_broker_instance not in (None, self.instance_id):

@@ -198,10 +198,7 @@ class DueWork:
             # Take the message out first; routing it again re-queues it if it still cannot go.
             self.conn.execute(delete(t).where(t.c.id == msg.id))
             sender_now = {**sender._mapping, "has_pending": False}
-            before = self.conn.execute(
-                select(func.count()).select_from(t).where(t.c.conversation_handle == handle)
-            ).scalar_one()
-            delivery.route(
+            went = delivery.route(
                 RowView(sender_now),
                 msg.message_type_name,
                 msg.message_sequence_number,
@@ -209,10 +206,7 @@ class DueWork:
                 msg.validation,
                 now,
             )
-            after = self.conn.execute(
-                select(func.count()).select_from(t).where(t.c.conversation_handle == handle)
-            ).scalar_one()
-            if after > before:
+            if not went:
                 # Still cannot go: keep the original order, back off, and stop for this dialog.
                 self.conn.execute(
                     update(t)
@@ -234,9 +228,14 @@ class DueWork:
 
     def _purge_closed(self, now: datetime) -> int:
         e = s.conversation_endpoint
-        result = self.conn.execute(
-            delete(e).where(e.c.state == "CD", e.c.closed_at <= now - CLOSED_ENDPOINT_RETENTION)
+        old = (e.c.state == "CD", e.c.closed_at <= now - CLOSED_ENDPOINT_RETENTION)
+        m = s.message
+        self.conn.execute(
+            delete(m).where(
+                m.c.conversation_handle.in_(select(e.c.conversation_handle).where(*old))
+            )
         )
+        result = self.conn.execute(delete(e).where(*old))
         g = s.conversation_group
         self.conn.execute(
             delete(g).where(

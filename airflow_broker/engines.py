@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -72,7 +72,6 @@ class WaitState:
     listener: Any = None
     data_version: int | None = None
     released: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class EngineAdapter(Protocol):

@@ -634,6 +634,7 @@ class Transaction:
         now = utcnow()
         self._dirty = True
         if cleanup:
+            self._execute(delete(s.message).where(s.message.c.conversation_handle == h))
             self._execute(delete(e).where(e.c.conversation_handle == h))
             log.info("conversation %s removed WITH CLEANUP", h)
             return

@@ -488,3 +488,36 @@ def test_definitions_block_can_drop_and_recreate(broker: Broker) -> None:
         d.drop_queue("q")
         d.create_queue("q", retention=True)
     assert broker.catalog().queues["q"].retention is True
+
+
+def test_drop_service_and_queue_take_their_messages_with_them(broker: Broker) -> None:
+    """broker_message has no foreign keys (hot-path cost): the drops must remove what was queued."""
+    from sqlalchemy import func, select
+
+    from airflow_broker.schema import message
+
+    with broker.definitions() as d:
+        d.create_queue("drop_in")
+        d.create_queue("drop_out")
+        d.create_service("//drop/in", queue="drop_in", contracts=["DEFAULT"])
+        d.create_service("//drop/out", queue="drop_out")
+    with broker.transaction() as tx:
+        for _ in range(3):
+            tx.send(tx.begin_dialog("//drop/out", "//drop/in"), body=b"x")
+
+    def queued() -> int:
+        with broker.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(message)).scalar_one())
+
+    assert queued() == 3
+    broker.drop_service("//drop/in")
+    assert queued() == 0
+    with broker.transaction() as tx:
+        h = tx.begin_dialog("//drop/out", "//drop/out")
+        tx.begin_conversation_timer(h, 0)
+    broker.run_due()
+    assert queued() == 1  # the DialogTimer, on drop_out
+    broker.drop_service("//drop/out")
+    assert queued() == 0
+    broker.drop_queue("drop_out")
+    assert "drop_out" not in broker.catalog().queues

@@ -252,18 +252,6 @@ def upgrade() -> None:
         sa.Column("validation", sa.String(length=1), nullable=False),
         sa.Column("message_body", sa.LargeBinary(), nullable=True),
         sa.Column("enqueued_at", sa.DateTime(timezone=True), nullable=False),
-        sa.ForeignKeyConstraint(
-            ["conversation_handle"],
-            ["broker_conversation_endpoint.conversation_handle"],
-            name=op.f("fk_broker_message_conversation_handle_broker_conversation_endpoint"),
-            ondelete="CASCADE",
-        ),
-        sa.ForeignKeyConstraint(
-            ["queue_id"],
-            ["broker_queue.queue_id"],
-            name=op.f("fk_broker_message_queue_id_broker_queue"),
-            ondelete="CASCADE",
-        ),
         sa.PrimaryKeyConstraint("queuing_order", name=op.f("pk_broker_message")),
         comment="The contents of every queue.",
     )
