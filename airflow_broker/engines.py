@@ -1,16 +1,18 @@
 """What differs between PostgreSQL and SQLite, behind one small interface.
 
-The broker's logic (``broker.py``) is written once against SQLAlchemy Core. Three things cannot
-be: how a transaction begins, how a waiting RECEIVE learns that another process committed a SEND,
-and how a reader that died holding messages is noticed (poison handling counts it as a
-rollback). Each engine has an adapter here.
+The broker's logic (``transaction.py``, ``delivery.py``...) is written once against SQLAlchemy
+Core (hot statements are PostgreSQL-specific text in ``queries.py`` and ``delivery.py``). Three
+things cannot be: how a transaction begins, how a waiting RECEIVE learns that another process
+committed a SEND, and how a reader that died holding messages is noticed (poison handling counts
+it as a rollback). Each engine has an adapter here.
 
 PostgreSQL
-    Waits LISTEN on a per-queue channel; SEND's transaction NOTIFYs just before it commits, so a
-    waiter wakes within milliseconds of the commit. A receiving transaction registers a lease
-    (queue, server backend pid) through a side connection: the lease row is visible at once and
-    its transaction's own commit deletes it. A lease whose backend no longer exists belongs to a
-    reader that died without committing.
+    Waits LISTEN on a per-queue channel; a trigger on ``broker_message`` NOTIFYs it whenever ready
+    messages are written (migration 0002), so a waiter wakes within milliseconds of the commit.
+    A receiving transaction registers a lease (queue, server backend pid) through a side
+    connection, so the row is visible at once; the RECEIVE statement itself writes the lease's
+    commit marker, visible only if the transaction commits. A lease whose backend no longer
+    exists and that has no marker belongs to a reader that died without committing.
 
 SQLite
     A broker transaction takes the single write lock at its first statement (``BEGIN IMMEDIATE``).
