@@ -7,7 +7,7 @@ import logging
 import uuid
 from datetime import datetime, timedelta
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import (
     Uuid,
@@ -311,6 +311,16 @@ def to_endpoint(
     )
 
 
+class Outgoing(NamedTuple):
+    """One message on its way out of a SEND (or END CONVERSATION)."""
+
+    message_type: str
+    seq: int
+    body: bytes | None
+    validation: str
+    now: datetime
+
+
 class Delivery:
     """Puts one outgoing message where it goes: the far endpoint's queue when that is in this
     database and can take it, else the transmission queue with the reason it waits."""
@@ -330,14 +340,11 @@ class Delivery:
         now: datetime,
     ) -> bool:
         """Deliver one message; False when it went to the transmission queue instead."""
+        msg = Outgoing(message_type, seq, body, validation, now)
         if sender.has_pending:
             self._to_transmission(
                 sender,
-                message_type,
-                seq,
-                body,
-                validation,
-                now,
+                msg,
                 "waiting behind earlier messages of this conversation",
             )
             return False
@@ -346,11 +353,7 @@ class Delivery:
                 if sender.far_broker_instance not in (None, self.instance_id):
                     self._to_transmission(
                         sender,
-                        message_type,
-                        seq,
-                        body,
-                        validation,
-                        now,
+                        msg,
                         "waiting for delivery to another broker",
                     )
                     return False
@@ -366,11 +369,7 @@ class Delivery:
             if not sender.far_queue_status:
                 self._to_transmission(
                     sender,
-                    message_type,
-                    seq,
-                    body,
-                    validation,
-                    now,
+                    msg,
                     f"the target queue {sender.far_queue_name!r} is disabled",
                 )
                 return False
@@ -381,11 +380,7 @@ class Delivery:
                 sender.far_priority,
                 sender.far_service_name,
                 sender.contract_name,
-                message_type,
-                seq,
-                body,
-                validation,
-                now,
+                msg,
             )
             self._far_received(sender.far_handle, seq, message_type, sender.far_state)
             return True
@@ -394,11 +389,7 @@ class Delivery:
         if target is None:
             self._to_transmission(
                 sender,
-                message_type,
-                seq,
-                body,
-                validation,
-                now,
+                msg,
                 f"no route to service {sender.far_service!r}: it is not hosted by this broker "
                 "and no route reaches it yet (the conversation is delayed and retried)",
             )
@@ -414,11 +405,7 @@ class Delivery:
         if not target["queue_status"]:
             self._to_transmission(
                 sender,
-                message_type,
-                seq,
-                body,
-                validation,
-                now,
+                msg,
                 f"the target queue {target['queue_name']!r} is disabled",
             )
             return False
@@ -430,11 +417,7 @@ class Delivery:
             far["priority"],
             sender.far_service,
             sender.contract_name,
-            message_type,
-            seq,
-            body,
-            validation,
-            now,
+            msg,
         )
         self._far_received(far["handle"], seq, message_type, "CO")
         return True
@@ -510,25 +493,21 @@ class Delivery:
         priority: int,
         service_name: str,
         contract: str,
-        message_type: str,
-        seq: int,
-        body: bytes | None,
-        validation: str,
-        now: datetime,
+        msg: Outgoing,
     ) -> None:
         self.conn.execute(
             insert_message(
                 queue_id=queue_id,
                 group_id=group,
                 handle=handle,
-                seq=seq,
+                seq=msg.seq,
                 priority=priority,
                 service_name=service_name,
                 contract=contract,
-                message_type=message_type,
-                validation=validation,
-                body=body,
-                now=now,
+                message_type=msg.message_type,
+                validation=msg.validation,
+                body=msg.body,
+                now=msg.now,
             )
         )
 
@@ -547,16 +526,8 @@ class Delivery:
             .values(**values)
         )
 
-    def _to_transmission(
-        self,
-        sender: Any,
-        message_type: str,
-        seq: int,
-        body: bytes | None,
-        validation: str,
-        now: datetime,
-        reason: str,
-    ) -> None:
+    def _to_transmission(self, sender: Any, msg: Outgoing, reason: str) -> None:
+        message_type, seq, body, validation, now = msg
         self.conn.execute(
             insert(s.transmission_queue).values(
                 conversation_handle=sender.conversation_handle,
