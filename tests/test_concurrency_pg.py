@@ -433,7 +433,10 @@ def _counted(kills: int) -> Callable[[QueueStatus], bool]:
 
 
 @pytest.mark.timeout(120)
-def test_five_killed_readers_disable_the_queue_four_do_not(pg_url: str, spawn: Spawner) -> None:
+def test_five_killed_readers_disable_the_queue_four_do_not(broker_url: str, spawn: Spawner) -> None:
+    """On both engines: PostgreSQL notices the dead reader's backend is gone, SQLite that its
+    lease file's lock was released."""
+    pg_url = broker_url
     broker = Broker.connect(pg_url)
     try:
         _setup_services(broker)
