@@ -1,6 +1,7 @@
 """Concurrency and crash claims, proved with real OS processes on PostgreSQL.
 
-Each reader is a separate OS process with its own connections; the worker functions are in
+Each reader is a separate OS process with its own connections (the two crash tests also run on
+SQLite, the rest on PostgreSQL); the worker functions are in
 ``tests/procs.py``. Every reader records what it received in the receiving transaction itself
 (``test_received``), so the records commit exactly when the RECEIVE does: the assertions below
 read only committed truth.
@@ -386,7 +387,11 @@ def _drain(broker: Broker, queue: str, expected: int, timeout: float = 20) -> li
 
 
 @pytest.mark.timeout(90)
-def test_reader_killed_while_holding_messages_loses_nothing(pg_url: str, spawn: Spawner) -> None:
+def test_reader_killed_while_holding_messages_loses_nothing(
+    broker_url: str, spawn: Spawner
+) -> None:
+    """On both engines: a killed reader's transaction rolls back and its messages return."""
+    pg_url = broker_url
     dialogs, messages = 6, 5
     broker = Broker.connect(pg_url)
     try:
