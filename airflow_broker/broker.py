@@ -59,6 +59,7 @@ from airflow_broker.objects import (
     RouteDef,
     ServiceDef,
     TransmissionRow,
+    TransmissionSummary,
 )
 from airflow_broker.transaction import Transaction
 
@@ -423,6 +424,30 @@ class Broker:
                 )
             )
         return out
+
+    def transmission_summary(self) -> list[TransmissionSummary]:
+        """The transmission queue counted by target service and reason, most messages first."""
+        t = s.transmission_queue
+        stmt = (
+            select(
+                t.c.to_service_name,
+                t.c.transmission_status,
+                func.count().label("n"),
+                func.min(t.c.enqueued_at).label("oldest"),
+            )
+            .group_by(t.c.to_service_name, t.c.transmission_status)
+            .order_by(func.count().desc(), t.c.to_service_name)
+        )
+        with self.engine.connect() as conn:
+            return [
+                TransmissionSummary(
+                    r.to_service_name,
+                    r.transmission_status,
+                    r.n,
+                    aware(r.oldest),  # type: ignore[arg-type]
+                )
+                for r in conn.execute(stmt)
+            ]
 
     def transmission_queue(self, limit: int | None = None) -> list[TransmissionRow]:
         """Messages waiting to leave, oldest first, each with why it has not gone yet."""

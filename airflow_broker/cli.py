@@ -166,14 +166,26 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
     broker = _connect(url)
     try:
         queues = sorted(broker.queue_status(), key=lambda q: q.name)
-        transmission = len(broker.transmission_queue())
+        waiting = broker.transmission_summary()
+        transmission = sum(w.count for w in waiting)
     finally:
         broker.dispose()
     if args.json:
         doc = {
             "database": shown,
             "queues": [_queue_json(q) for q in queues],
-            "transmission_queue": {"count": transmission},
+            "transmission_queue": {
+                "count": transmission,
+                "waiting": [
+                    {
+                        "to_service_name": w.to_service_name,
+                        "transmission_status": w.transmission_status,
+                        "count": w.count,
+                        "oldest_enqueued_at": w.oldest_enqueued_at.isoformat(),
+                    }
+                    for w in waiting
+                ],
+            },
         }
         print(json.dumps(doc, indent=2), file=out)
         return EXIT_OK
@@ -197,6 +209,8 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
         print("no queues", file=out)
     plural = "" if transmission == 1 else "s"
     print(f"transmission queue: {transmission} message{plural} waiting", file=out)
+    for w in waiting:
+        print(f"  {w.count:>6}  to {w.to_service_name}: {w.transmission_status}", file=out)
     return EXIT_OK
 
 

@@ -184,6 +184,16 @@ class TransmissionRow:
 
 
 @dataclass(frozen=True, slots=True)
+class TransmissionSummary:
+    """Messages waiting in the transmission queue for one service, grouped by why they wait."""
+
+    to_service_name: str
+    transmission_status: str
+    count: int
+    oldest_enqueued_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class BrokerEvent:
     """Something the broker did on its own (a queue disabled by poison handling...)."""
 

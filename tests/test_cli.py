@@ -474,7 +474,9 @@ def test_status_table(busy_url: str, run: Run) -> None:
     assert rows["Inbox"][4:] == ["3", "0"]
     assert rows["Outbox"][1:] == ["enabled", "0", "-", "0", "0"]
     assert rows["Parked"][1:] == ["DISABLED", "0", "-", "0", "0"]
-    assert lines[-1] == "transmission queue: 1 message waiting"
+    assert lines[-2] == "transmission queue: 1 message waiting"
+    assert lines[-1].split(None, 3)[:3] == ["1", "to", "//t/Parked:"]
+    assert "the target queue 'Parked' is disabled" in lines[-1]
 
 
 def test_status_json(busy_url: str, run: Run) -> None:
@@ -482,7 +484,11 @@ def test_status_json(busy_url: str, run: Run) -> None:
     assert (code, err) == (0, "")
     doc = json.loads(out)
     assert set(doc) == {"database", "queues", "transmission_queue"}
-    assert doc["transmission_queue"] == {"count": 1}
+    assert doc["transmission_queue"]["count"] == 1
+    [waiting] = doc["transmission_queue"]["waiting"]
+    assert waiting["count"] == 1
+    assert waiting["transmission_status"] == "the target queue 'Parked' is disabled"
+    assert datetime.fromisoformat(waiting["oldest_enqueued_at"]).tzinfo is not None
     fields = {f.name for f in dataclasses.fields(QueueStatus)}
     assert all(set(q) == fields for q in doc["queues"])
     queues = {q["name"]: q for q in doc["queues"]}
