@@ -75,6 +75,14 @@ DEFINITION_CACHE_SECONDS = 1.0
 # ---------------------------------------------------------------------------------------------
 
 
+def _insert_missing(conn: Connection, key: Any, value: Any, **values: Any) -> bool:
+    """Insert the row whose ``key`` column is ``value`` unless it exists; True if inserted."""
+    if conn.execute(select(key).where(key == value)).first() is not None:
+        return False
+    conn.execute(insert(key.table).values({key.name: value, **values}))
+    return True
+
+
 class Broker:
     """One broker database: the catalog of broker objects and the conversations in it.
 
@@ -139,40 +147,24 @@ class Broker:
                 conn.execute(text("SELECT pg_advisory_xact_lock(727170000, 1)"))
             command.upgrade(alembic_config(conn), "head")
             now = utcnow()
-            if conn.execute(select(s.broker_instance.c.id)).first() is None:
-                conn.execute(
-                    insert(s.broker_instance).values(
-                        id=1, instance_id=str(uuid.uuid4()), forwarding=False, created_at=now
-                    )
-                )
-            if (
-                conn.execute(
-                    select(s.message_type.c.name).where(s.message_type.c.name == DEFAULT)
-                ).first()
-                is None
-            ):
-                conn.execute(
-                    insert(s.message_type).values(name=DEFAULT, validation="none", created_at=now)
-                )
-            if (
-                conn.execute(select(s.contract.c.name).where(s.contract.c.name == DEFAULT)).first()
-                is None
-            ):
-                conn.execute(insert(s.contract).values(name=DEFAULT, created_at=now))
+            _insert_missing(
+                conn,
+                s.broker_instance.c.id,
+                1,
+                instance_id=str(uuid.uuid4()),
+                forwarding=False,
+                created_at=now,
+            )
+            _insert_missing(conn, s.message_type.c.name, DEFAULT, validation="none", created_at=now)
+            if _insert_missing(conn, s.contract.c.name, DEFAULT, created_at=now):
                 conn.execute(
                     insert(s.contract_message).values(
                         contract_name=DEFAULT, message_type_name=DEFAULT, sent_by="any"
                     )
                 )
-            if (
-                conn.execute(
-                    select(s.route.c.name).where(s.route.c.name == AUTO_CREATED_LOCAL)
-                ).first()
-                is None
-            ):
-                conn.execute(
-                    insert(s.route).values(name=AUTO_CREATED_LOCAL, address="LOCAL", created_at=now)
-                )
+            _insert_missing(
+                conn, s.route.c.name, AUTO_CREATED_LOCAL, address="LOCAL", created_at=now
+            )
         self.invalidate_definitions()
 
     @property
