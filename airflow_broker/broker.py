@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -33,6 +33,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.pool import StaticPool
 
+from airflow_broker import dynamic
 from airflow_broker import schema as s
 from airflow_broker.activation import Activation
 from airflow_broker.arguments import UNSET
@@ -58,14 +59,20 @@ from airflow_broker.objects import (
     QueueStatus,
     RouteDef,
     ServiceDef,
+    TransitRow,
     TransmissionRow,
     TransmissionSummary,
 )
 from airflow_broker.transaction import Transaction
+from airflow_broker.transport import DeliveryReport
 
 log = logging.getLogger("airflow_broker")
 
 T = TypeVar("T")
+
+#: Turns the NAME of a route address ``broker://NAME`` into a URL or a Broker: a mapping, or a
+#: callable returning None for names it does not know (then AIRFLOW_BROKER_ADDRESS_<NAME>).
+Resolver = Mapping[str, "str | Broker"] | Callable[[str], "str | Broker | None"]
 
 #: How long cached definitions (contract rules, priorities) may be used before re-reading.
 DEFINITION_CACHE_SECONDS = 1.0
@@ -83,19 +90,59 @@ def _insert_missing(conn: Connection, key: Any, value: Any, **values: Any) -> bo
     return True
 
 
+def migrate_on(conn: Connection) -> None:
+    """Create or upgrade the broker tables on ``conn``, inside its transaction, then insert the
+    broker's identity and system objects that are missing. :meth:`Broker.migrate` runs this on
+    a connection of its own; Airflow's DB manager on the metadata database's session."""
+    from alembic import command
+
+    from airflow_broker.migrations import alembic_config
+
+    if conn.dialect.name == "postgresql":
+        # Serialize concurrent migrations of this database (a key of our own).
+        conn.execute(text("SELECT pg_advisory_xact_lock(727170000, 1)"))
+    command.upgrade(alembic_config(conn), "head")
+    now = utcnow()
+    _insert_missing(
+        conn,
+        s.broker_instance.c.id,
+        1,
+        instance_id=str(uuid.uuid4()),
+        forwarding=False,
+        created_at=now,
+    )
+    # The system contracts: DEFAULT, and dynamic routing's MissingRoute notice.
+    for contract, message_type, sent_by in (
+        (DEFAULT, DEFAULT, "any"),
+        (dynamic.BROKER_CONFIGURATION_NOTICE, dynamic.MISSING_ROUTE, "initiator"),
+    ):
+        _insert_missing(
+            conn, s.message_type.c.name, message_type, validation="none", created_at=now
+        )
+        if _insert_missing(conn, s.contract.c.name, contract, created_at=now):
+            conn.execute(
+                insert(s.contract_message).values(
+                    contract_name=contract, message_type_name=message_type, sent_by=sent_by
+                )
+            )
+    _insert_missing(conn, s.route.c.name, AUTO_CREATED_LOCAL, address="LOCAL", created_at=now)
+
+
 class Broker:
     """One broker database: the catalog of broker objects and the conversations in it.
 
     :param engine: a SQLAlchemy engine on PostgreSQL (psycopg 3) or SQLite.
-    :param resolver: logical broker name -> URL or :class:`Broker`, used to reach other brokers
-        named by routes (``broker://NAME``).
+    :param resolver: logical broker name -> URL or :class:`Broker` (a mapping or a callable),
+        used to reach other brokers named by routes (``broker://NAME``); names it does not know
+        are looked up in the environment as ``AIRFLOW_BROKER_ADDRESS_<NAME>``.
     """
 
-    def __init__(self, engine: Engine, *, resolver: dict[str, Any] | None = None) -> None:
+    def __init__(self, engine: Engine, *, resolver: Resolver | None = None) -> None:
         self.engine = engine
         self.dialect: str = engine.dialect.name
         self.adapter: PostgresAdapter | SqliteAdapter = adapter_for(engine)
-        self.resolver = dict(resolver or {})
+        #: logical broker name -> URL or Broker (a mapping or a callable); see transport.resolve
+        self.resolver: Resolver | None = resolver
         self._instance_id: str | None = None
         self._cache: dict[Any, tuple[float, Any]] = {}
         self._cache_lock = threading.Lock()
@@ -103,9 +150,7 @@ class Broker:
         self.next_due_work = 0.0
 
     @classmethod
-    def connect(
-        cls, url: str, *, resolver: dict[str, Any] | None = None, **engine_kwargs: Any
-    ) -> Broker:
+    def connect(cls, url: str, *, resolver: Resolver | None = None, **engine_kwargs: Any) -> Broker:
         """Open the broker database at ``url`` (``sqlite:///broker.db``,
         ``postgresql+psycopg://user@host/db``; ``postgresql://`` means psycopg 3)."""
         parsed = make_url(url)
@@ -137,34 +182,8 @@ class Broker:
 
         Idempotent, and safe to run from several processes at once.
         """
-        from alembic import command
-
-        from airflow_broker.migrations import alembic_config
-
         with self.engine.begin() as conn:
-            if self.dialect == "postgresql":
-                # Serialize concurrent migrations of this database (a key of our own).
-                conn.execute(text("SELECT pg_advisory_xact_lock(727170000, 1)"))
-            command.upgrade(alembic_config(conn), "head")
-            now = utcnow()
-            _insert_missing(
-                conn,
-                s.broker_instance.c.id,
-                1,
-                instance_id=str(uuid.uuid4()),
-                forwarding=False,
-                created_at=now,
-            )
-            _insert_missing(conn, s.message_type.c.name, DEFAULT, validation="none", created_at=now)
-            if _insert_missing(conn, s.contract.c.name, DEFAULT, created_at=now):
-                conn.execute(
-                    insert(s.contract_message).values(
-                        contract_name=DEFAULT, message_type_name=DEFAULT, sent_by="any"
-                    )
-                )
-            _insert_missing(
-                conn, s.route.c.name, AUTO_CREATED_LOCAL, address="LOCAL", created_at=now
-            )
+            migrate_on(conn)
         self.invalidate_definitions()
 
     @property
@@ -295,9 +314,62 @@ class Broker:
     def drop_priority(self, name: str) -> None:
         self._define("drop_priority", name)
 
-    def configure(self, *, forwarding: bool | None = None) -> None:
+    def configure(self, *, forwarding: bool | None = None, principal: bool | None = None) -> None:
         """Broker-wide settings (see :meth:`Definitions.configure`)."""
-        self._define("configure", forwarding=forwarding)
+        self._define("configure", forwarding=forwarding, principal=principal)
+
+    # -- between brokers -----------------------------------------------------------------------
+    def deliver(
+        self, max_messages: int | None = None, *, retry_now: bool = False
+    ) -> DeliveryReport:
+        """One delivery pass: move due messages of the transmission queue (and, on a forwarding
+        broker, messages in transit) towards their destinations, local or in other broker
+        databases. Returns what happened (:class:`DeliveryReport`).
+
+        :param max_messages: stop after about this many messages (default: all that are due).
+        :param retry_now: ignore the backoff of messages that failed before and try them now.
+        """
+        from airflow_broker.transport import Transport
+
+        return Transport(self).deliver(max_messages, retry_now=retry_now)
+
+    def resolve(self, address: str) -> Broker:
+        """The broker a ``broker://NAME`` address names, through this broker's resolver."""
+        from airflow_broker.transport import resolve
+
+        return resolve(self, address)
+
+    def in_transit(self) -> list[TransitRow]:
+        """Messages this forwarding broker holds until their next hop can take them."""
+        from airflow_broker.transport import in_transit
+
+        return in_transit(self)
+
+    def create_routing_service(
+        self,
+        name: str,
+        queue: str,
+        classifier: Callable[[bytes | None], str | None] | str,
+        mode: str = "forward",
+    ) -> None:
+        """Create a data-dependent routing service (seed 000): service ``name`` on ``queue``,
+        open to every contract, classifying the first message of each inbound conversation.
+
+        :param classifier: a callable ``body -> service name`` (importable, module level),
+            ``"json:$.path"`` or ``"xpath:/message/toServiceName"``.
+        :param mode: ``"forward"`` (begin an outbound dialog and relay both ways) or
+            ``"redirect"`` (answer the initiator with the target service and end).
+        """
+        from airflow_broker import ddr
+
+        ddr.create_routing_service(self, name, queue, classifier, mode)
+
+    def run_routing_service(self, name: str, max_messages: int | None = None) -> int:
+        """One pass of the data-dependent routing service ``name`` over its queue; returns how
+        many messages it handled."""
+        from airflow_broker import ddr
+
+        return ddr.run_routing_service(self, name, max_messages)
 
     # -- messaging -----------------------------------------------------------------------------
     def transaction(self) -> Transaction:
@@ -492,4 +564,4 @@ class Broker:
         return value
 
 
-__all__ = ["Broker", "Definitions", "DueReport", "Transaction"]
+__all__ = ["Broker", "Definitions", "DueReport", "Transaction", "migrate_on"]

@@ -12,7 +12,10 @@ END_DIALOG: Final = "http://schemas.microsoft.com/SQL/ServiceBroker/EndDialog"
 ERROR: Final = "http://schemas.microsoft.com/SQL/ServiceBroker/Error"
 DIALOG_TIMER: Final = "http://schemas.microsoft.com/SQL/ServiceBroker/DialogTimer"
 ECHO: Final = "http://schemas.microsoft.com/SQL/ServiceBroker/ServiceEcho"
-SYSTEM_MESSAGE_TYPES: Final = frozenset({END_DIALOG, ERROR, DIALOG_TIMER})
+#: The data-dependent routing service's answer in redirect mode (seed 000): a JSON body
+#: ``{"to_service": ..., "broker_instance": ...}`` naming the service to talk to instead.
+REDIRECT: Final = "urn:airflow-broker:Redirect"
+SYSTEM_MESSAGE_TYPES: Final = frozenset({END_DIALOG, ERROR, DIALOG_TIMER, REDIRECT})
 
 #: Namespace of the XML body of Error messages.
 ERROR_NAMESPACE: Final = "http://schemas.microsoft.com/SQL/ServiceBroker/Error"
@@ -23,6 +26,8 @@ ERR_CONTRACT_NOT_SUPPORTED: Final = -8408
 ERR_SERVICE_NOT_FOUND: Final = -8470
 ERR_MESSAGE_INVALID: Final = -9615
 ERR_HOPS_EXCEEDED: Final = -8492
+ERR_NOT_CLASSIFIED: Final = -8493
+ERR_WRONG_BROKER_INSTANCE: Final = -8494
 
 #: Consecutive rolled-back receiving transactions that disable a queue.
 POISON_THRESHOLD: Final = 5

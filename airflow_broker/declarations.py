@@ -11,11 +11,12 @@ Three steps, each a function here:
    :class:`~airflow_broker.objects.Catalog`: references that resolve neither in the file nor in
    the database, and objects that exist with another definition that cannot be changed in place,
    are more problems; everything else becomes a :class:`Change` (create, alter, replace or
-   unchanged).
+   unchanged), and each ``broker:`` setting a :class:`SettingChange` against the current value.
 3. :func:`apply_plan` runs the changes against a ``broker.definitions()`` transaction, in
    dependency order, so that the whole file lands or nothing does.
 
-Nothing here opens a database: the caller hands in the catalog and the transaction.
+Nothing here opens a database: the caller hands in the catalog, the broker's settings and the
+transaction.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import difflib
 import json
 import re
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
@@ -37,8 +38,6 @@ from airflow_broker.errors import InvalidDefinition
 from airflow_broker.objects import Catalog
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from airflow_broker.broker import Definitions
 
 #: The version of the file format this module reads (the optional top-level ``version`` key).
@@ -57,9 +56,16 @@ KIND: Final = {
     "priorities": "priority",
 }
 
-#: Settings of the broker itself, under the top-level ``broker`` key. Reserved: forwarding is
-#: switched on by the forwarding issue; until the engine can do it, a file that sets it is refused.
-BROKER_SETTINGS: Final = ("forwarding",)
+#: Settings of the broker itself, under the top-level ``broker`` key (``Definitions.configure``):
+#: ``forwarding`` passes on messages for services this broker does not host; ``principal: false``
+#: makes this database say it is not the principal of a mirrored pair.
+BROKER_SETTINGS: Final = ("forwarding", "principal")
+
+#: How a setting's value reads in plans: ``forwarding: off -> on``, ``principal: yes -> no``.
+SETTING_WORDS: Final[Mapping[str, tuple[str, str]]] = {
+    "forwarding": ("off", "on"),
+    "principal": ("no", "yes"),
+}
 
 #: Longest object name (``schema.NAME``) and address (``broker_route.address``).
 MAX_NAME: Final = 256
@@ -68,6 +74,10 @@ MAX_ADDRESS: Final = 512
 #: A route's address: LOCAL, TRANSPORT, or another broker database by logical name.
 ADDRESS_KEYWORDS: Final = ("LOCAL", "TRANSPORT")
 BROKER_ADDRESS: Final = re.compile(r"^broker://[A-Za-z0-9_.\-]+$")
+#: Outside Airflow, ``broker://NAME`` resolves through this environment variable (NAME upper-cased,
+#: every other character than a letter or digit made ``_``: ``transport.env_name``).
+ADDRESS_ENV_PREFIX: Final = "AIRFLOW_BROKER_ADDRESS_"
+_URL: Final = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://(?P<rest>.*)$", re.S)
 
 _STR: Final = "tag:yaml.org,2002:str"
 _BOOL: Final = "tag:yaml.org,2002:bool"
@@ -212,9 +222,9 @@ class Declarations:
     services: tuple[ServiceDecl, ...] = ()
     routes: tuple[RouteDecl, ...] = ()
     priorities: tuple[PriorityDecl, ...] = ()
-    #: ``broker: {forwarding: ...}``; None when the file does not say.
-    forwarding: bool | None = None
-    forwarding_line: int | None = None
+    #: ``broker: {forwarding: ..., principal: ...}``: the settings the file gives, and their lines.
+    settings: dict[str, bool] = field(default_factory=dict)
+    setting_lines: dict[str, int] = field(default_factory=dict)
     #: Names declared per section, even by entries that had other problems: a reference to such a
     #: name is not reported again as unknown.
     declared: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -408,13 +418,18 @@ def _parse_document(r: _Reader, root: yaml.Node) -> Declarations:
                 top["version"],
                 f"version {version} is not supported; this tool reads {FORMAT_VERSION}",
             )
-    forwarding: bool | None = None
-    forwarding_line: int | None = None
-    if "broker" in top:
-        settings = r.mapping(top["broker"], "broker", allowed=BROKER_SETTINGS)
-        if "forwarding" in settings:
-            forwarding = r.boolean(settings["forwarding"], "broker.forwarding")
-            forwarding_line = _line(settings["forwarding"])
+    settings: dict[str, bool] = {}
+    setting_lines: dict[str, int] = {}
+    node = top.get("broker")
+    if node is not None and not (isinstance(node, yaml.ScalarNode) and node.tag == _NULL):
+        entries = r.mapping(node, "broker", allowed=BROKER_SETTINGS)
+        for key in BROKER_SETTINGS:
+            if key in entries:
+                before = len(r.problems)
+                value = r.boolean(entries[key], f"broker.{key}")
+                if len(r.problems) == before:
+                    settings[key] = value
+                    setting_lines[key] = _line(entries[key])
 
     parsers: dict[str, Callable[[_Reader, str, str, int, dict[str, yaml.Node]], Decl]] = {
         "message_types": _message_type,
@@ -460,8 +475,8 @@ def _parse_document(r: _Reader, root: yaml.Node) -> Declarations:
         services=_only(sections["services"], ServiceDecl),
         routes=_only(sections["routes"], RouteDecl),
         priorities=_only(sections["priorities"], PriorityDecl),
-        forwarding=forwarding,
-        forwarding_line=forwarding_line,
+        settings=settings,
+        setting_lines=setting_lines,
         declared=declared,
         refs=tuple(refs),
     )
@@ -628,15 +643,58 @@ def _service(r: _Reader, what: str, name: str, line: int, e: dict[str, yaml.Node
     return ServiceDecl(name, line, queue_name, tuple(contracts), tuple(refs))
 
 
+def _masked(value: str) -> str:
+    """An address as it may be shown in a message: user, password and query replaced by ***."""
+    match = _URL.match(value)
+    scheme, rest = (f"{match['scheme']}://", match["rest"]) if match else ("", value)
+    if "@" in rest:
+        rest = "***@" + rest.rpartition("@")[2]
+    if "?" in rest:
+        rest = rest.partition("?")[0] + "?***"
+    # A libpq-style "host=db password=x" has no URL form to lean on.
+    return scheme + re.sub(r"(?i)(password\s*=\s*)\S*", r"\1***", rest)
+
+
 def _address(r: _Reader, node: yaml.Node, what: str, *, keywords: bool) -> str:
     value = r.string(node, what, max_length=MAX_ADDRESS)
     if not value:
         return value
     if keywords and value.upper() in ADDRESS_KEYWORDS:
         return value.upper()
-    if not BROKER_ADDRESS.match(value):
-        forms = "LOCAL, TRANSPORT or broker://NAME" if keywords else "broker://NAME"
-        r.problem(node, f"{what} must be {forms} (NAME: a logical broker name), not {value!r}")
+    if BROKER_ADDRESS.match(value):
+        return value
+    forms = "LOCAL, TRANSPORT or broker://NAME" if keywords else "broker://NAME"
+    match = _URL.match(value)
+    credentials = "@" in value or re.search(r"(?i)password\s*=", value) is not None
+    if not credentials and (match is None or match["scheme"].lower() == "broker"):
+        r.problem(
+            node,
+            f"{what} must be {forms} (NAME: a logical broker name of letters, digits, _ . -), "
+            f"not {value!r}",
+        )
+        return value
+    # A URL or credentials where a logical name belongs. Never echo a password back: messages
+    # end up in terminals, CI logs and tickets.
+    host = (value if match is None else match["rest"]).rpartition("@")[2]
+    name = host if match is not None and match["scheme"].lower() == "broker" else ""
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+        name = ""
+    what_it_is = "an address with credentials" if credentials else "a URL"
+    write = f"broker://{name}" if name else "broker://NAME"
+    if name:
+        from airflow_broker.transport import env_name  # the resolver's own rule for the name
+
+        env = env_name(name)
+    else:
+        env = f"{ADDRESS_ENV_PREFIX}<NAME>"
+    r.problem(
+        node,
+        f"{what} must be {forms}, not {what_it_is} ({_masked(value)!r}): routes take logical "
+        f"names, never URLs or credentials. Write {write} and give that name's database URL "
+        f"(with its credentials) to the resolver: in Airflow the connection whose id is "
+        f"{name or 'NAME'}, outside Airflow the environment variable {env} (or the resolver "
+        "passed to Broker.connect)",
+    )
     return value
 
 
@@ -721,14 +779,45 @@ class Change:
 
 
 @dataclass(frozen=True, slots=True)
+class SettingChange:
+    """What applying one ``broker:`` setting does: change it, or nothing."""
+
+    name: str
+    #: The database's value; None when it could not be read (shown as ``unknown``).
+    old: bool | None
+    new: bool
+
+    @property
+    def changed(self) -> bool:
+        return self.old is not self.new
+
+    def describe(self) -> str:
+        if not self.changed:
+            return f"= broker setting {self.name}: unchanged ({_setting_word(self.name, self.new)})"
+        return (
+            f"~ broker setting {self.name}: {_setting_word(self.name, self.old)} -> "
+            f"{_setting_word(self.name, self.new)}"
+        )
+
+
+def _setting_word(name: str, value: bool | None) -> str:
+    if value is None:
+        return "unknown"
+    return SETTING_WORDS[name][1 if value else 0]
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
-    """The changes a file makes, in the order they are applied."""
+    """The changes a file makes, in the order they are applied (broker settings last)."""
 
     changes: tuple[Change, ...]
+    settings: tuple[SettingChange, ...] = ()
 
     @property
     def has_changes(self) -> bool:
-        return any(c.action != "unchanged" for c in self.changes)
+        return any(c.action != "unchanged" for c in self.changes) or any(
+            s.changed for s in self.settings
+        )
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per section: how many objects are created, altered (or replaced) and unchanged."""
@@ -765,9 +854,17 @@ def _same_instance(a: str | None, b: str | None) -> bool:
 
 
 def plan(
-    decls: Declarations, catalog: Catalog, *, now: datetime | None = None
+    decls: Declarations,
+    catalog: Catalog,
+    *,
+    now: datetime | None = None,
+    settings: Mapping[str, bool] | None = None,
 ) -> tuple[Plan, list[Problem]]:
     """Compare the declarations with the database. Returns the plan and the problems found.
+
+    ``settings`` are the broker's current settings (``forwarding``, ``principal``: the columns of
+    ``broker_instance``); a setting the file gives and ``settings`` lacks is planned as a change
+    from ``unknown``.
 
     Problems: references that resolve neither in the file nor in the database, and objects that
     exist with a different definition when that definition cannot be changed in place (message
@@ -799,14 +896,11 @@ def plan(
             )
         )
 
-    if decls.forwarding is not None:
-        problems.append(
-            Problem(
-                decls.forwarding_line,
-                "broker.forwarding is reserved for forwarding between brokers, which this version "
-                "cannot switch on yet; remove it",
-            )
-        )
+    current_settings = settings or {}
+    setting_changes = tuple(
+        SettingChange(key, current_settings.get(key), value)
+        for key, value in decls.settings.items()
+    )
 
     changes: list[Change] = []
     for section in SECTIONS:
@@ -828,7 +922,7 @@ def plan(
                 )
                 continue
             changes.append(Change(section, decl, action, differences))
-    return Plan(tuple(changes)), problems
+    return Plan(tuple(changes), setting_changes), problems
 
 
 def _compare(
@@ -947,6 +1041,9 @@ def apply_plan(p: Plan, d: Definitions) -> None:
                 remote_service=decl.remote_service,
                 priority=decl.priority,
             )
+    changed = {s.name: s.new for s in p.settings if s.changed}
+    if changed:
+        d.configure(**changed)
 
 
 def _with_activation(settings: dict[str, Any]) -> dict[str, Any]:

@@ -57,6 +57,11 @@ class Definitions:
         self._broker = broker
         self._conn = conn
 
+    @property
+    def connection(self) -> Connection:
+        """The connection of this definitions transaction."""
+        return self._conn
+
     # -- helpers -------------------------------------------------------------------------------
     def _exists(self, table: Any, column: Any, value: Any) -> bool:
         return self._conn.execute(select(column).where(column == value)).first() is not None
@@ -389,10 +394,24 @@ class Definitions:
         self._conn.execute(delete(s.priority).where(s.priority.c.name == name))
 
     # -- settings ------------------------------------------------------------------------------
-    def configure(self, *, forwarding: bool | None = None) -> None:
-        """Broker-wide settings (``forwarding``: pass on messages for services not hosted here)."""
-        if forwarding is not None:
-            self._conn.execute(update(s.broker_instance).values(forwarding=bool(forwarding)))
+    def configure(self, *, forwarding: bool | None = None, principal: bool | None = None) -> None:
+        """Broker-wide settings.
+
+        :param forwarding: pass on messages for services this broker does not host (seed 002).
+        :param principal: False makes this database say it is not the principal of a mirrored
+            pair: it refuses deliveries, and senders use the route's mirror address.
+        """
+        values: dict[str, bool] = {}
+        for key, value in (("forwarding", forwarding), ("principal", principal)):
+            if value is None:
+                continue
+            if not isinstance(value, bool):
+                raise InvalidDefinition(
+                    f"broker setting {key} must be true or false, not {value!r}"
+                )
+            values[key] = value
+        if values:
+            self._conn.execute(update(s.broker_instance).values(**values))
 
 
 def check_address(route: str, address: Any, what: str) -> None:

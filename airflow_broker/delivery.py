@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -21,6 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection
 
+from airflow_broker import bulk, routing
 from airflow_broker import schema as s
 from airflow_broker.constants import (
     DIALOG_TIMER,
@@ -34,6 +37,7 @@ from airflow_broker.constants import (
     SENDABLE_STATES,
     STATUS_READY,
 )
+from airflow_broker.engines import aware
 from airflow_broker.errors import (
     ContractViolation,
     UnknownObject,
@@ -311,6 +315,73 @@ def to_endpoint(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Hosted:
+    """A service this broker hosts, as delivery sees it."""
+
+    queue_id: int
+    queue_name: str
+    queue_status: bool
+    contracts: frozenset[str]
+    #: a data-dependent routing service: open to every contract
+    router: bool
+
+    def accepts(self, contract: str) -> bool:
+        return self.router or contract in self.contracts
+
+
+def hosted_services(broker: Broker, conn: Connection) -> dict[str, Hosted]:
+    """The services this broker hosts, by name (cached briefly; queue status included, so a
+    re-enabled queue is noticed within the cache's second)."""
+
+    def load() -> dict[str, Hosted]:
+        rows = conn.execute(
+            select(
+                s.service.c.name,
+                s.service.c.queue_id,
+                s.queue.c.name.label("queue_name"),
+                s.queue.c.status,
+                s.routing_service.c.name.label("router"),
+            )
+            .join(s.queue, s.queue.c.queue_id == s.service.c.queue_id)
+            .outerjoin(s.routing_service, s.routing_service.c.name == s.service.c.name)
+        ).all()
+        contracts: dict[str, set[str]] = defaultdict(set)
+        for r in conn.execute(select(s.service_contract)):
+            contracts[r.service_name].add(r.contract_name)
+        return {
+            r.name: Hosted(
+                r.queue_id,
+                r.queue_name,
+                bool(r.status),
+                frozenset(contracts[r.name]),
+                r.router is not None,
+            )
+            for r in rows
+        }
+
+    return broker.cached_definition("hosted_services", load)
+
+
+def routes_of(broker: Broker, conn: Connection) -> list[routing.Route]:
+    """This broker's routing table, as the pure rules see it (cached briefly)."""
+
+    def load() -> list[routing.Route]:
+        return [
+            routing.Route(
+                r.name,
+                r.service_name,
+                r.broker_instance,
+                r.address,
+                r.mirror_address,
+                aware(r.expires_at),
+            )
+            for r in conn.execute(select(s.route).order_by(s.route.c.name))
+        ]
+
+    return broker.cached_definition("routes", load)
+
+
 class Outgoing(NamedTuple):
     """One message on its way out of a SEND (or END CONVERSATION)."""
 
@@ -325,10 +396,19 @@ class Delivery:
     """Puts one outgoing message where it goes: the far endpoint's queue when that is in this
     database and can take it, else the transmission queue with the reason it waits."""
 
-    def __init__(self, broker: Broker, conn: Connection) -> None:
+    def __init__(self, broker: Broker, conn: Connection, *, batch: bool = False) -> None:
         self.b = broker
         self.conn = conn
         self.instance_id = broker.instance_id_on(conn)
+        #: batch mode: transmission-queue rows are collected and written by :meth:`flush`
+        #: (SEND on many conversations, each routed once)
+        self._queued: list[dict[str, Any]] | None = [] if batch else None
+
+    def flush(self) -> None:
+        """Write the transmission-queue rows collected in batch mode, in one statement."""
+        if self._queued:
+            bulk.insert_rows(self.conn, s.transmission_queue, self._queued)
+            self._queued.clear()
 
     def route(
         self,
@@ -342,10 +422,12 @@ class Delivery:
         """Deliver one message; False when it went to the transmission queue instead."""
         msg = Outgoing(message_type, seq, body, validation, now)
         if sender.has_pending:
+            # Behind a message for another broker: the next delivery pass takes both in order.
             self._to_transmission(
                 sender,
                 msg,
                 "waiting behind earlier messages of this conversation",
+                retry_in=timedelta(0) if sender.far_handle is None else RETRY_BASE,
             )
             return False
         if sender.far_handle is not None:
@@ -384,17 +466,38 @@ class Delivery:
             )
             self._far_received(sender.far_handle, seq, message_type, sender.far_state)
             return True
-        # First message of the dialog: find the target service in this broker.
-        target = self._local_target(sender)
+        # The far endpoint is not in this database (yet): the routes say where it is.
+        if sender.far_broker_instance not in (None, self.instance_id):
+            self._to_transmission(
+                sender,
+                msg,
+                f"waiting for delivery to broker instance {sender.far_broker_instance}",
+                retry_in=timedelta(0),
+            )
+            return False
+        decision = self._decide(sender, now)
+        if decision.kind == "remote":
+            self._to_transmission(
+                sender,
+                msg,
+                f"waiting for delivery to {decision.addresses[0]} ({decision.reason})",
+                retry_in=timedelta(0),
+            )
+            return False
+        target = self._local_target(sender) if decision.kind == "local" else None
         if target is None:
             self._to_transmission(
                 sender,
                 msg,
-                f"no route to service {sender.far_service!r}: it is not hosted by this broker "
-                "and no route reaches it yet (the conversation is delayed and retried)",
+                f"{decision.reason}: it is not hosted by this broker and no route reaches it "
+                "yet (the conversation is delayed and retried)"
+                if decision.kind == "delayed"
+                else f"no route to service {sender.far_service!r} (delayed and retried)",
+                # the delivery pass routes it again (and asks a dynamic routing service)
+                retry_in=timedelta(0),
             )
             return False
-        if sender.contract_name not in target["contracts"]:
+        if not target["router"] and sender.contract_name not in target["contracts"]:
             self._error_back(
                 sender,
                 ERR_CONTRACT_NOT_SUPPORTED,
@@ -422,12 +525,37 @@ class Delivery:
         self._far_received(far["handle"], seq, message_type, "CO")
         return True
 
+    def _decide(self, sender: Any, now: datetime) -> routing.Decision:
+        """Seed 001's routing of a conversation begun here, by this broker's routes."""
+        from airflow_broker import dynamic
+
+        hosted = hosted_services(self.b, self.conn)
+        routes = routes_of(self.b, self.conn)
+        service = sender.far_service
+        # Step 4 delays the conversation; the delivery pass sends the route request.
+        return routing.route_conversation(
+            routes,
+            service,
+            sender.far_broker_instance,
+            dialog_id=sender.conversation_id,
+            now=now,
+            local_services=list(hosted),
+            dynamic_routing=dynamic.present(routes, service, now)
+            and not dynamic.pending(self.conn, service, now),
+        )
+
     def _local_target(self, sender: Any) -> dict[str, Any] | None:
         if sender.far_broker_instance not in (None, self.instance_id):
             return None
         row = self.conn.execute(
-            select(s.service.c.queue_id, s.queue.c.status, s.queue.c.name)
+            select(
+                s.service.c.queue_id,
+                s.queue.c.status,
+                s.queue.c.name,
+                s.routing_service.c.name.label("router"),
+            )
             .join(s.queue, s.queue.c.queue_id == s.service.c.queue_id)
+            .outerjoin(s.routing_service, s.routing_service.c.name == s.service.c.name)
             .where(s.service.c.name == sender.far_service)
         ).first()
         if row is None:
@@ -444,6 +572,7 @@ class Delivery:
             "queue_status": row.status,
             "queue_name": row.name,
             "contracts": contracts,
+            "router": row.router is not None,
         }
 
     def _create_target_endpoint(
@@ -526,32 +655,40 @@ class Delivery:
             .values(**values)
         )
 
-    def _to_transmission(self, sender: Any, msg: Outgoing, reason: str) -> None:
+    def _to_transmission(
+        self, sender: Any, msg: Outgoing, reason: str, *, retry_in: timedelta = RETRY_BASE
+    ) -> None:
+        """Into the transmission queue: ``retry_in`` 0 for messages for another broker (the
+        next delivery pass takes them), later for a local target that cannot take it yet."""
         message_type, seq, body, validation, now = msg
-        self.conn.execute(
-            insert(s.transmission_queue).values(
-                conversation_handle=sender.conversation_handle,
-                conversation_id=sender.conversation_id,
-                is_initiator=sender.is_initiator,
-                from_service_name=sender.service_name,
-                from_broker_instance=self.instance_id,
-                to_service_name=sender.far_service,
-                to_broker_instance=sender.far_broker_instance,
-                service_contract_name=sender.contract_name,
-                message_type_name=message_type,
-                message_sequence_number=seq,
-                priority=sender.priority,
-                validation=validation,
-                message_body=body,
-                lifetime=sender.lifetime,
-                enqueued_at=now,
-                transmission_status=reason,
-                attempts=0,
-                next_attempt_at=now + RETRY_BASE,
-            )
-        )
-        self.b.note_due(now + RETRY_BASE)
-        log.info(
+        row = {
+            "conversation_handle": sender.conversation_handle,
+            "conversation_id": sender.conversation_id,
+            "is_initiator": sender.is_initiator,
+            "from_service_name": sender.service_name,
+            "from_broker_instance": self.instance_id,
+            "to_service_name": sender.far_service,
+            "to_broker_instance": sender.far_broker_instance,
+            "service_contract_name": sender.contract_name,
+            "message_type_name": message_type,
+            "message_sequence_number": seq,
+            "priority": sender.priority,
+            "validation": validation,
+            "message_body": body,
+            "lifetime": sender.lifetime,
+            "enqueued_at": now,
+            "transmission_status": reason,
+            "attempts": 0,
+            "next_attempt_at": now + retry_in,
+        }
+        if self._queued is not None:
+            self._queued.append(row)
+        else:
+            self.conn.execute(insert(s.transmission_queue).values(**row))
+        self.b.note_due(now + retry_in)
+        # Waiting for a delivery pass is the normal way to another broker; anything else is news.
+        log.log(
+            logging.DEBUG if not retry_in else logging.INFO,
             "message %d of conversation %s waits in the transmission queue: %s",
             seq,
             sender.conversation_handle,

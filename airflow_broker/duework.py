@@ -179,10 +179,10 @@ class DueWork:
         handles = self.conn.execute(stmt).scalars().all()
         delivered = 0
         for handle in handles:
-            delivered += self._flush_conversation(handle, now)
+            delivered += self.flush_conversation(handle, now)
         return delivered
 
-    def _flush_conversation(self, handle: uuid.UUID, now: datetime) -> int:
+    def flush_conversation(self, handle: uuid.UUID, now: datetime) -> int:
         t = s.transmission_queue
         pending = self.conn.execute(
             select(t).where(t.c.conversation_handle == handle).order_by(t.c.message_sequence_number)
@@ -196,7 +196,10 @@ class DueWork:
             if sender is None or sender.state in ("ER", "CD"):
                 break
             # Take the message out first; routing it again re-queues it if it still cannot go.
-            self.conn.execute(delete(t).where(t.c.id == msg.id))
+            # Another process's pass may have taken it meanwhile (the DELETE waited for its
+            # commit and found nothing): then it is delivered already, and so are the rest.
+            if self.conn.execute(delete(t).where(t.c.id == msg.id)).rowcount != 1:
+                break
             sender_now = {**sender._mapping, "has_pending": False}
             went = delivery.route(
                 RowView(sender_now),

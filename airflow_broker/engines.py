@@ -112,6 +112,16 @@ class PostgresAdapter:
         self._lock = threading.Lock()
         self._idle_listeners: list[Any] = []
         self._side: Any = None
+        event.listen(engine, "connect", self._on_connect)
+
+    @staticmethod
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        """Python lists travel as binary arrays: the set-based statements (``unnest`` of one
+        array per column) send hundreds of rows per statement, and psycopg's text format
+        escapes every element (measured: 14.7 ms vs 1.6 ms for 500 rows of five columns)."""
+        from psycopg.types.array import ListBinaryDumper
+
+        dbapi_conn.adapters.register_dumper(list, ListBinaryDumper)
 
     # -- raw psycopg connections outside SQLAlchemy's pool ------------------------------------
     def _raw_connect(self, **kwargs: Any) -> Any:

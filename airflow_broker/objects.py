@@ -184,6 +184,26 @@ class TransmissionRow:
 
 
 @dataclass(frozen=True, slots=True)
+class TransitRow:
+    """A message (or an acknowledgment, or an Error notice) a forwarding broker holds until its
+    next hop can take it."""
+
+    id: int
+    kind: str
+    conversation_id: uuid.UUID
+    from_service_name: str
+    to_service_name: str
+    to_broker_instance: str | None
+    message_type_name: str
+    message_sequence_number: int
+    hops: int
+    enqueued_at: datetime
+    transmission_status: str
+    attempts: int
+    next_attempt_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class TransmissionSummary:
     """Messages waiting in the transmission queue for one service, grouped by why they wait."""
 

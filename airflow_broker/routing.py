@@ -27,6 +27,9 @@ LOCAL = "LOCAL"
 TRANSPORT = "TRANSPORT"
 BROKER_SCHEME = "broker://"
 
+#: Seed 002: a message forwarded more often than this is discarded (its sender gets an Error).
+MAX_HOPS = 16
+
 
 @dataclass(frozen=True, slots=True)
 class Route:

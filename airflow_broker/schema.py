@@ -68,6 +68,9 @@ broker_instance = Table(
     Column("instance_id", String(36), nullable=False),
     Column("forwarding", Boolean, nullable=False, server_default=text("false")),
     Column("created_at", Timestamp, nullable=False),
+    # False when this database says it is not the principal of a mirrored pair: deliveries to it
+    # are refused, so senders use the route's mirror address (PostgreSQL: also while in recovery).
+    Column("principal", Boolean, nullable=False, server_default=text("true")),
     comment="One row: this broker database's identity (service_broker_guid) and settings.",
 )
 
@@ -352,4 +355,58 @@ receive_commit = Table(
     Column("lease_key", Integer, primary_key=True, autoincrement=False),
     info={"unlogged": True},
     comment="Leases whose receiving transaction committed (written inside that transaction).",
+)
+
+
+transit = Table(
+    "broker_transit",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("kind", String(1), nullable=False),
+    Column("conversation_id", Uuid, nullable=False),
+    Column("from_initiator", Boolean, nullable=False),
+    Column("from_service_name", NAME, nullable=False),
+    Column("from_broker_instance", String(36), nullable=False),
+    Column("to_service_name", NAME, nullable=False),
+    Column("to_broker_instance", String(36), nullable=True),
+    Column("service_contract_name", NAME, nullable=False),
+    Column("message_type_name", NAME, nullable=False),
+    Column("message_sequence_number", BigInteger, nullable=False),
+    Column("validation", String(1), nullable=False),
+    Column("message_body", LargeBinary, nullable=True),
+    Column("lifetime", Timestamp, nullable=True),
+    Column("hops", SmallInteger, nullable=False),
+    Column("error_code", Integer, nullable=True),
+    Column("error_description", Text, nullable=True),
+    Column("enqueued_at", Timestamp, nullable=False),
+    Column("transmission_status", Text, nullable=False, server_default=text("''")),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("next_attempt_at", Timestamp, nullable=False),
+    info={"unlogged": True},
+    comment=(
+        "Messages a forwarding broker holds while the next hop cannot take them. Not durable on "
+        "purpose (seed 002): the sender keeps every message until its final destination "
+        "acknowledges it, so what a crash loses here is sent again."
+    ),
+)
+
+routing_service = Table(
+    "broker_routing_service",
+    metadata,
+    Column("name", NAME, ForeignKey("broker_service.name", ondelete="CASCADE"), primary_key=True),
+    Column("mode", String(10), nullable=False),
+    Column("classifier", Text, nullable=False),
+    Column("created_at", Timestamp, nullable=False),
+    comment="Data-dependent routing services (seed 000): their mode and classifier.",
+)
+
+resolved_conversation = Table(
+    "broker_resolved_conversation",
+    metadata,
+    Column("inbound_handle", Uuid, primary_key=True),
+    Column("outbound_handle", Uuid, nullable=False, unique=True),
+    Column("routing_service", NAME, nullable=False, index=True),
+    Column("target_service", NAME, nullable=False),
+    Column("created_at", Timestamp, nullable=False),
+    comment="Seed 000's resolved_conversations: which outbound dialog carries an inbound one.",
 )

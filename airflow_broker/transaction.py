@@ -20,7 +20,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection
 
-from airflow_broker import queries
+from airflow_broker import bulk, queries
 from airflow_broker import schema as s
 from airflow_broker.arguments import Handle, as_name, as_uuid
 from airflow_broker.constants import (
@@ -376,20 +376,29 @@ class Transaction:
                 checked[0][1],
                 now,
             )
-        delivery = Delivery(self.broker, self.connection)
-        e = s.conversation_endpoint
-        for row, code in checked:
-            if on_fast_path(row):
-                continue
-            seq = row.send_sequence
-            self._execute(
-                update(e)
-                .where(e.c.conversation_handle == row.conversation_handle)
-                .values(send_sequence=seq + 1, state="CO" if row.state == "SO" else row.state)
-            )
+        # Each conversation is routed once; what waits for another broker (or a queue) is
+        # written in one statement, as are the senders' new sequence numbers.
+        # (Sequence numbers first: routing may fail a conversation, and that must stand.)
+        general = [(row, code) for row, code in checked if not on_fast_path(row)]
+        bulk.update_rows(
+            self.connection,
+            s.conversation_endpoint,
+            "conversation_handle",
+            [
+                {
+                    "conversation_handle": row.conversation_handle,
+                    "send_sequence": row.send_sequence + 1,
+                    "state": "CO" if row.state == "SO" else row.state,
+                }
+                for row, _ in general
+            ],
+        )
+        delivery = Delivery(self.broker, self.connection, batch=True)
+        for row, code in general:
             if row.own_retention:
-                self._retain_sent(row, message_type, seq, payload, code, now)
-            delivery.route(row, message_type, seq, payload, code, now)
+                self._retain_sent(row, message_type, row.send_sequence, payload, code, now)
+            delivery.route(row, message_type, row.send_sequence, payload, code, now)
+        delivery.flush()
 
     def _send_fast(
         self, handles: list[uuid.UUID], message_type: str, payload: bytes | None, now: datetime
@@ -655,6 +664,19 @@ class Transaction:
             if row.state not in ("DI", "ER") and self._far_exists(row):
                 self._system_send(row, ERROR, error_body(error_code, error_description or ""), now)
             return
+        if (
+            row.state == "DI"
+            and row.far_handle is None
+            and row.far_broker_instance
+            not in (
+                None,
+                self.broker.instance_id_on(self.connection),
+            )
+        ):
+            # The far side, in another broker, ended first and waits (DO) for this END.
+            self._execute(update(e).where(e.c.conversation_handle == h).values(**closed))
+            self._system_send(row, END_DIALOG, None, now)
+            return
         if row.state in ("DI", "ER") or not self._far_exists(row):
             # The far side has ended (or errored), or was never told of this dialog.
             self._execute(update(e).where(e.c.conversation_handle == h).values(**closed))
@@ -671,8 +693,15 @@ class Transaction:
         self._system_send(row, END_DIALOG, None, now)
 
     def _far_exists(self, row: Any) -> bool:
-        """Whether the far side knows of this dialog (or will: messages are on their way)."""
-        return row.far_handle is not None or bool(row.has_pending) or row.send_sequence > 0
+        """Whether the far side knows of this dialog (or will: messages are on their way). A
+        target's far side always does: it began the dialog (in another broker, the target's
+        endpoint has no far handle and may have sent nothing)."""
+        return (
+            not row.is_initiator
+            or row.far_handle is not None
+            or bool(row.has_pending)
+            or row.send_sequence > 0
+        )
 
     def _system_send(self, row: Any, message_type: str, body: bytes | None, now: datetime) -> None:
         e = s.conversation_endpoint

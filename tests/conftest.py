@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.engine import URL
+from sqlalchemy.pool import NullPool
 
 from airflow_broker import Broker
 
@@ -70,16 +71,40 @@ class PostgresServer:
             self._template_ready = True
         return TEMPLATE_DB
 
-    def create_database(self, *, migrated: bool = True, name: str | None = None) -> str:
+    def create_database(
+        self, *, migrated: bool = True, name: str | None = None, copy_of: str | None = None
+    ) -> str:
+        """A fresh database: migrated (a clone of the template, given a broker instance id of
+        its own), empty, or ``copy_of`` another test database's URL (same instance id: a
+        mirror of it)."""
         dbname = name or f"broker_test_{uuid.uuid4().hex[:12]}"
+        source = make_url(copy_of).database if copy_of else self.template() if migrated else None
         with self._admin.connect() as conn:
             self._drop(conn, dbname)
-            if migrated:
-                conn.execute(text(f'CREATE DATABASE "{dbname}" TEMPLATE "{self.template()}"'))
+            if source is not None:
+                if copy_of:
+                    # CREATE DATABASE ... TEMPLATE needs the source to have no other sessions.
+                    conn.execute(
+                        text(
+                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                            "WHERE datname = :db AND pid <> pg_backend_pid()"
+                        ),
+                        {"db": source},
+                    )
+                conn.execute(text(f'CREATE DATABASE "{dbname}" TEMPLATE "{source}"'))
             else:
                 conn.execute(text(f'CREATE DATABASE "{dbname}"'))
         self._created.append(dbname)
-        return self.url_for(dbname)
+        url = self.url_for(dbname)
+        if migrated and not copy_of:
+            # Each broker database is its own broker instance, as a fresh migrate() makes it.
+            engine = create_engine(url, poolclass=NullPool)
+            with engine.begin() as conn:
+                conn.execute(
+                    text("UPDATE broker_instance SET instance_id = :id"), {"id": str(uuid.uuid4())}
+                )
+            engine.dispose()
+        return url
 
     def drop_all(self) -> None:
         with self._admin.connect() as conn:

@@ -1,8 +1,9 @@
-"""The ``airflow-broker`` command line: migrate, apply a declarations file, status.
+"""The ``airflow-broker`` command line: migrate, apply a declarations file, status, deliver.
 
 Most tests call :func:`airflow_broker.cli.main` in-process (fast, and capsys sees the output);
-one runs the installed console script, to prove the entry point is wired. Tests that touch the
-database run on SQLite and PostgreSQL through the ``broker_url`` fixture.
+one runs the installed console script, to prove the entry point is wired, and one runs
+``deliver --loop`` as a process, to stop it with SIGTERM. Tests that touch the database run on
+SQLite and PostgreSQL through the ``broker_url`` fixture.
 """
 
 from __future__ import annotations
@@ -12,18 +13,23 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
 import pytest
-from sqlalchemy import make_url
+from sqlalchemy import make_url, update
+from sqlalchemy.exc import OperationalError
 
 from airflow_broker import Broker, ObjectExists, declarations
-from airflow_broker.cli import ENV_URL, format_age, main
+from airflow_broker import schema as s
+from airflow_broker.cli import ENV_URL, broker_settings, format_age, main
 from airflow_broker.objects import Catalog, QueueStatus
+from airflow_broker.transport import DeliveryReport, env_name
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PURCHASE_ORDERS = FIXTURES / "purchase_orders.yaml"
@@ -65,6 +71,22 @@ def catalog(url: str) -> Catalog:
     b = Broker.connect(url)
     try:
         return b.catalog()
+    finally:
+        b.dispose()
+
+
+def settings(url: str) -> dict[str, bool]:
+    b = Broker.connect(url)
+    try:
+        return broker_settings(b)
+    finally:
+        b.dispose()
+
+
+def instance_id(url: str) -> str:
+    b = Broker.connect(url)
+    try:
+        return b.instance_id
     finally:
         b.dispose()
 
@@ -354,13 +376,244 @@ def test_empty_file_declares_nothing(run: Run, tmp_path: Path) -> None:
     assert code == 0 and "the file declares nothing" in out
 
 
-def test_forwarding_is_reserved(run: Run, tmp_path: Path) -> None:
+ROUTES_AND_FORWARDING = """\
+version: 1
+broker:
+  forwarding: true
+routes:
+  - name: to_west
+    service_name: //po/Supplier
+    broker_instance: 0b7c6a6e-3f1d-4c2b-9a57-2d4f0e8c1a90
+    address: broker://west
+    mirror_address: broker://west-mirror
+  - name: everything_else
+    address: broker://gw.central
+  - name: via_transport
+    service_name: //po/Elsewhere
+    address: transport
+  - name: here_for_a_day
+    service_name: //po/Local
+    broker_instance: 3d9e5c1a-0f2b-4e7d-8a6c-1b2c3d4e5f60
+    lifetime_seconds: 86400
+"""
+
+
+def test_broker_settings_are_applied_then_unchanged(
+    broker_url: str, run: Run, tmp_path: Path
+) -> None:
+    assert settings(broker_url) == {"forwarding": False, "principal": True}
+    path = write(tmp_path, "routes.yaml", ROUTES_AND_FORWARDING)
+
+    code, out, err = run("--url", broker_url, "apply", path, "--dry-run")
+    assert (code, err) == (0, "")
+    assert "  ~ broker setting forwarding: off -> on" in out.splitlines()
+    assert re.search(r"^broker settings\s+-\s+1\s+0$", out, re.M)
+    assert settings(broker_url)["forwarding"] is False  # a dry run writes nothing
+
+    code, out, err = run("--url", broker_url, "apply", path)
+    assert (code, err) == (0, "")
+    assert "  ~ broker setting forwarding: off -> on" in out.splitlines()
+    assert "+ route to_west: created" in out
+    assert re.search(r"^routes\s+4\s+0\s+0$", out, re.M)
+    assert settings(broker_url) == {"forwarding": True, "principal": True}
+
+    code, out, err = run("--url", broker_url, "apply", path)
+    assert (code, err) == (0, "")
+    assert "  = broker setting forwarding: unchanged (on)" in out.splitlines()
+    assert re.search(r"^broker settings\s+-\s+0\s+1$", out, re.M)
+    assert "nothing to change" in out
+
+    path = write(tmp_path, "off.yaml", "broker:\n  forwarding: false\n  principal: false\n")
+    code, out, err = run("--url", broker_url, "apply", path)
+    assert (code, err) == (0, "")
+    assert "  ~ broker setting forwarding: on -> off" in out.splitlines()
+    assert "  ~ broker setting principal: yes -> no" in out.splitlines()
+    assert "the file declares nothing" not in out
+    assert settings(broker_url) == {"forwarding": False, "principal": False}
+
+
+def test_broker_settings_roll_back_with_the_rest_of_the_file(
+    broker_url: str, run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_apply = declarations.apply_plan
+    applied: list[declarations.Plan] = []
+
+    def apply_then_fail(plan: declarations.Plan, d: object) -> None:
+        real_apply(plan, d)  # type: ignore[arg-type]
+        applied.append(plan)
+        raise ObjectExists("route 'to_west' already exists")
+
+    monkeypatch.setattr(declarations, "apply_plan", apply_then_fail)
+    path = write(tmp_path, "routes.yaml", ROUTES_AND_FORWARDING)
+    code, out, err = run("--url", broker_url, "apply", path)
+    assert (code, out) == (1, "")
+    assert err == "error: route 'to_west' already exists\n"
+    assert applied and applied[0].settings  # configure ran, in the transaction that rolled back
+    assert settings(broker_url)["forwarding"] is False
+    assert "to_west" not in catalog(broker_url).routes
+
+
+def test_broker_settings_are_checked_with_their_line(run: Run, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'b.db'}"
     assert run("--url", url, "migrate")[0] == 0
-    path = write(tmp_path, "fwd.yaml", "version: 1\nbroker:\n  forwarding: true\n")
-    code, _, err = run("--url", url, "apply", path)
-    assert code == 2
-    assert f"{path}:3: broker.forwarding is reserved" in err
+    path = write(
+        tmp_path,
+        "bad.yaml",
+        "broker:\n"
+        '  forwarding: "yes"\n'
+        "  principal: 1\n"
+        "  principle: false\n"
+        "queues:\n"
+        "  - name: Fine\n",
+    )
+    code, out, err = run("--url", url, "apply", path)
+    assert (code, out) == (2, "")
+    problems = err.splitlines()
+    assert f"{path}:2: broker.forwarding must be true or false, not the string 'yes'" in problems
+    assert f"{path}:3: broker.principal must be true or false, not the number 1" in problems
+    assert any(
+        p.startswith(f"{path}:4: broker: unknown key 'principle' (did you mean 'principal'?)")
+        for p in problems
+    )
+    assert problems[-1] == f"error: {path}: 3 problems; nothing was applied"
+    assert "Fine" not in catalog(url).queues
+    assert settings(url) == {"forwarding": False, "principal": True}
+
+    _, problems_of_a_list = declarations.parse("broker: [forwarding]\n")
+    assert [(p.line, p.message) for p in problems_of_a_list] == [
+        (1, "broker must be a mapping (key: value lines), not a list")
+    ]
+    decls, none = declarations.parse("broker:\n")  # an empty section sets nothing
+    assert (decls.settings, none) == ({}, [])
+
+
+def test_routes_between_brokers_are_declared(broker_url: str, run: Run, tmp_path: Path) -> None:
+    path = write(tmp_path, "routes.yaml", ROUTES_AND_FORWARDING)
+    assert run("--url", broker_url, "apply", path)[0] == 0
+    routes = catalog(broker_url).routes
+    west = routes["to_west"]
+    assert (west.service_name, west.broker_instance, west.address, west.mirror_address) == (
+        "//po/Supplier",
+        "0b7c6a6e-3f1d-4c2b-9a57-2d4f0e8c1a90",
+        "broker://west",
+        "broker://west-mirror",
+    )
+    gw = routes["everything_else"]
+    assert (gw.service_name, gw.broker_instance, gw.address) == (None, None, "broker://gw.central")
+    assert routes["via_transport"].address == "TRANSPORT"  # keywords in any case
+    local = routes["here_for_a_day"]
+    assert (local.address, local.mirror_address) == ("LOCAL", None)
+    assert local.broker_instance == "3d9e5c1a-0f2b-4e7d-8a6c-1b2c3d4e5f60"
+    assert local.expires_at is not None
+
+    # A new mirror, another instance id: the route is replaced, saying what differs.
+    changed = ROUTES_AND_FORWARDING.replace("broker://west-mirror", "broker://west-standby")
+    changed = changed.replace(
+        "0b7c6a6e-3f1d-4c2b-9a57-2d4f0e8c1a90", "0b7c6a6e-3f1d-4c2b-9a57-2d4f0e8c1a91"
+    )
+    code, out, err = run("--url", broker_url, "apply", write(tmp_path, "changed.yaml", changed))
+    assert (code, err) == (0, "")
+    [line] = [line for line in out.splitlines() if "route to_west" in line]
+    assert line.startswith("  ~ route to_west: replaced (")
+    assert "mirror_address: broker://west-mirror -> broker://west-standby" in line
+    assert (
+        "broker_instance: 0b7c6a6e-3f1d-4c2b-9a57-2d4f0e8c1a90 -> "
+        "0b7c6a6e-3f1d-4c2b-9a57-2d4f0e8c1a91"
+    ) in line
+    assert re.search(r"^routes\s+0\s+1\s+3$", out, re.M)
+    after = catalog(broker_url).routes["to_west"]
+    assert after.mirror_address == "broker://west-standby"
+
+
+DOCS = Path(__file__).parent.parent / "docs" / "declarations.md"
+
+
+def docs_yaml_blocks(heading: str) -> list[str]:
+    """The ```yaml blocks of one section of docs/declarations.md."""
+    text = DOCS.read_text(encoding="utf-8")
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```yaml\n(.*?)```", section, re.S)
+
+
+def test_the_documented_routes_example_applies(broker_url: str, run: Run, tmp_path: Path) -> None:
+    gateway, standby = docs_yaml_blocks("Example: routes between brokers")
+    code, out, err = run("--url", broker_url, "apply", write(tmp_path, "gateway.yaml", gateway))
+    assert (code, err) == (0, "")
+    assert "~ broker setting forwarding: off -> on" in out
+    routes = catalog(broker_url).routes
+    suppliers = routes["suppliers"]
+    assert (suppliers.address, suppliers.mirror_address) == (
+        "broker://west",
+        "broker://west-standby",
+    )
+    assert routes["by_service_name"].address == "TRANSPORT"
+    assert routes["audit_migration"].expires_at is not None
+    assert settings(broker_url) == {"forwarding": True, "principal": True}
+    code, out, _ = run("--url", broker_url, "apply", write(tmp_path, "gateway.yaml", gateway))
+    assert code == 0 and "nothing to change" in out
+
+    code, out, err = run("--url", broker_url, "apply", write(tmp_path, "standby.yaml", standby))
+    assert (code, err) == (0, "")
+    assert "~ broker setting principal: yes -> no" in out
+    assert settings(broker_url) == {"forwarding": True, "principal": False}
+
+
+@pytest.mark.parametrize(
+    ("key", "address", "secret", "suggested"),
+    [
+        ("address", "broker://user:s3cret-pw@west", "s3cret-pw", "AIRFLOW_BROKER_ADDRESS_WEST"),
+        ("address", "broker://apiuser@gw.central", "apiuser", "AIRFLOW_BROKER_ADDRESS_GW_CENTRAL"),
+        ("address", "postgresql://broker:s3cret-pw@db.example/west", "s3cret-pw", None),
+        ("address", "postgresql+psycopg://db.example/west?password=s3cret-pw", "s3cret-pw", None),
+        ("address", "postgresql://db.example/west", None, None),
+        ("address", "host=db.example password=s3cret-pw", "s3cret-pw", None),
+        (
+            "mirror_address",
+            "broker://user:s3cret-pw@west2",
+            "s3cret-pw",
+            "AIRFLOW_BROKER_ADDRESS_WEST2",
+        ),
+        ("mirror_address", "sqlite:////var/lib/broker/west2.db", None, None),
+    ],
+)
+def test_route_addresses_take_logical_names_not_urls_or_credentials(
+    key: str, address: str, secret: str | None, suggested: str | None, run: Run, tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    assert run("--url", url, "migrate")[0] == 0
+    entry = f"    address: {json.dumps(address)}\n"
+    if key == "mirror_address":
+        entry = (
+            "    address: broker://west\n"
+            "    broker_instance: 0b7c6a6e-3f1d-4c2b-9a57-2d4f0e8c1a90\n"
+            f"    mirror_address: {json.dumps(address)}\n"
+        )
+    path = write(tmp_path, "route.yaml", f"routes:\n  - name: r\n{entry}")
+    line = 3 if key == "address" else 5
+    code, out, err = run("--url", url, "apply", path)
+    assert (code, out) == (2, "")
+    [problem] = [p for p in err.splitlines() if p.startswith(f"{path}:")]
+    assert problem.startswith(f"{path}:{line}: route 'r': {key} must be ")
+    assert "routes take logical names, never URLs or credentials" in problem
+    assert "in Airflow the connection whose id is" in problem
+    assert (suggested or "AIRFLOW_BROKER_ADDRESS_<NAME>") in problem
+    if suggested:
+        name = suggested.removeprefix("AIRFLOW_BROKER_ADDRESS_").lower().replace("_", ".")
+        assert f"Write broker://{name} " in problem
+        assert env_name(name) == suggested  # the resolver's own rule
+    if secret is not None:
+        assert secret not in err  # never echoed back
+        assert "***" in problem
+    assert "r" not in catalog(url).routes
+
+
+def test_malformed_broker_names_are_refused() -> None:
+    _, problems = declarations.parse(
+        "routes:\n  - name: r\n    address: broker://west:5432\n  - name: s\n    address: broker://\n"
+    )
+    assert [p.line for p in problems] == [3, 5]
+    assert all("must be LOCAL, TRANSPORT or broker://NAME" in p.message for p in problems)
+    assert "logical broker name of letters, digits, _ . -" in problems[0].message
 
 
 def test_file_problems_are_reported_even_when_the_database_is_not_migrated(
@@ -466,6 +719,8 @@ def test_status_table(busy_url: str, run: Run) -> None:
     code, out, err = run("--url", busy_url, "status")
     assert (code, err) == (0, "")
     lines = out.splitlines()
+    assert lines[1] == f"broker instance: {instance_id(busy_url)}"
+    assert lines[2] == "forwarding: off; principal: yes"
     header = next(i for i, line in enumerate(lines) if line.startswith("QUEUE"))
     assert lines[header].split() == ["QUEUE", "STATUS", "DEPTH", "OLDEST", "GROUPS", "ROLLBACKS"]
     rows = {line.split()[0]: line.split() for line in lines[header + 1 :] if line.strip()}
@@ -474,21 +729,36 @@ def test_status_table(busy_url: str, run: Run) -> None:
     assert rows["Inbox"][4:] == ["3", "0"]
     assert rows["Outbox"][1:] == ["enabled", "0", "-", "0", "0"]
     assert rows["Parked"][1:] == ["DISABLED", "0", "-", "0", "0"]
-    assert lines[-2] == "transmission queue: 1 message waiting"
-    assert lines[-1].split(None, 3)[:3] == ["1", "to", "//t/Parked:"]
-    assert "the target queue 'Parked' is disabled" in lines[-1]
+    # Forwarding is off: no transit line, the transmission queue ends the output.
+    assert lines[-3] == "transmission queue: 1 message waiting"
+    assert lines[-2].split() == ["COUNT", "OLDEST", "TO", "SERVICE", "REASON"]
+    count, age, service, reason = lines[-1].split(None, 3)
+    assert (count, service) == ("1", "//t/Parked")
+    assert re.fullmatch(r"\d+s", age)
+    assert reason == "the target queue 'Parked' is disabled"
+    assert "in transit" not in out
 
 
 def test_status_json(busy_url: str, run: Run) -> None:
     code, out, err = run("--url", busy_url, "status", "--json")
     assert (code, err) == (0, "")
     doc = json.loads(out)
-    assert set(doc) == {"database", "queues", "transmission_queue"}
+    assert set(doc) == {"database", "broker", "queues", "transmission_queue", "in_transit"}
+    assert doc["broker"] == {
+        "instance_id": instance_id(busy_url),
+        "forwarding": False,
+        "principal": True,
+    }
     assert doc["transmission_queue"]["count"] == 1
     [waiting] = doc["transmission_queue"]["waiting"]
     assert waiting["count"] == 1
     assert waiting["transmission_status"] == "the target queue 'Parked' is disabled"
     assert datetime.fromisoformat(waiting["oldest_enqueued_at"]).tzinfo is not None
+    assert 0 <= waiting["oldest_age_seconds"] < 600
+    assert doc["in_transit"]["waiting"] == []
+    # SQLite holds transit in the delivering process's memory: another process cannot count it.
+    sqlite = busy_url.startswith("sqlite")
+    assert doc["in_transit"]["count"] == (None if sqlite else 0)
     fields = {f.name for f in dataclasses.fields(QueueStatus)}
     assert all(set(q) == fields for q in doc["queues"])
     queues = {q["name"]: q for q in doc["queues"]}
@@ -506,8 +776,346 @@ def test_status_json(busy_url: str, run: Run) -> None:
     assert queues["Outbox"]["oldest_enqueued_at"] is None
 
 
+LONG_REASON = (
+    "cannot deliver to broker://west: connection failed: connection to server at "
+    '"10.20.30.40", port 5432 failed: FATAL:  password authentication failed for user "broker"'
+    "\nHINT: check the connection named west (AIRFLOW_BROKER_ADDRESS_WEST outside Airflow); "
+    "next attempt in 32 seconds, after 7 attempts"
+)
+
+
+def test_status_fits_long_reasons_to_the_width_and_shows_them_whole_with_verbose(
+    busy_url: str, run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = Broker.connect(busy_url)
+    try:
+        with b.engine.begin() as conn:
+            conn.execute(update(s.transmission_queue).values(transmission_status=LONG_REASON))
+        b.configure(forwarding=True, principal=False)
+    finally:
+        b.dispose()
+    monkeypatch.setenv("COLUMNS", "80")
+
+    code, out, err = run("--url", busy_url, "status")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[2] == "forwarding: on; principal: no (refuses deliveries: senders use the mirror)"
+    wide = [line for line in lines[1:] if len(line) > 80]  # all but the database's URL
+    assert wide == []
+    start = lines.index("transmission queue: 1 message waiting")
+    header, row = lines[start + 1 : start + 3]
+    reason_at = header.index("REASON")
+    assert row.split()[:3] == ["1", row.split()[1], "//t/Parked"]
+    shown = row[reason_at:]
+    assert shown.endswith("...") and len(row) == 80
+    assert " ".join(LONG_REASON.split()).startswith(shown.removesuffix("..."))  # one line
+    assert "HINT" not in out
+    assert lines[-1] == "(reasons shortened to fit; --verbose shows them in full)"
+
+    code, out, err = run("--url", busy_url, "status", "--verbose")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert all(len(line) <= 80 for line in lines[1:])
+    start = lines.index("transmission queue: 1 message waiting")
+    reason_at = lines[start + 1].index("REASON")
+    block = []
+    for line in lines[start + 2 :]:
+        if block and line[:reason_at].strip():
+            break  # the next table, or the next row
+        block.append(line[reason_at:])
+    assert "HINT: check the connection" in "\n".join(block)  # line breaks of the reason kept
+    assert " ".join(" ".join(block).split()) == " ".join(LONG_REASON.split())
+    assert "shortened" not in out
+
+    code, out, _ = run("--url", busy_url, "status", "--json")
+    doc = json.loads(out)
+    assert doc["broker"]["forwarding"] is True and doc["broker"]["principal"] is False
+    assert doc["transmission_queue"]["waiting"][0]["transmission_status"] == LONG_REASON
+
+
+def test_status_of_a_forwarding_broker_counts_messages_in_transit(
+    broker_url: str, run: Run
+) -> None:
+    b = Broker.connect(broker_url)
+    try:
+        b.configure(forwarding=True)
+    finally:
+        b.dispose()
+    code, out, err = run("--url", broker_url, "status")
+    assert (code, err) == (0, "")
+    if broker_url.startswith("sqlite"):
+        assert out.splitlines()[-1] == (
+            "in transit: unknown here (SQLite: held in the delivering process's memory)"
+        )
+    else:
+        assert out.splitlines()[-1] == "in transit: 0 messages held for their next hop"
+
+
+@pytest.mark.xdist_group("transport")
+def test_status_and_deliver_on_a_forwarder_holding_messages(
+    make_pg_database: Callable[..., str], run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """east -> gw (forwarding) -> west: while west cannot be resolved, gw holds the messages in
+    transit, and its status shows them; once it can, gw's deliver passes them on."""
+    east, gw, west = make_pg_database(), make_pg_database(), make_pg_database()
+    monkeypatch.setenv(env_name("gw"), gw)
+    monkeypatch.delenv(env_name("west"), raising=False)
+    east_file = EAST.replace("broker://west", "broker://gw")
+    assert run("--url", east, "apply", write(tmp_path, "east.yaml", east_file))[0] == 0
+    assert run("--url", west, "apply", write(tmp_path, "west.yaml", WEST))[0] == 0
+    gw_file = "broker: {forwarding: true}\nroutes:\n  - {name: onward, address: broker://west}\n"
+    code, out, _ = run("--url", gw, "apply", write(tmp_path, "gw.yaml", gw_file))
+    assert code == 0 and "~ broker setting forwarding: off -> on" in out
+    send(east, 3)
+
+    code, out, err = run("--url", east, "deliver", "--json")
+    assert (code, err) == (0, "")
+    assert json.loads(out)["delayed"] == 3
+
+    code, out, err = run("--url", gw, "status")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[2] == "forwarding: on; principal: yes"
+    start = lines.index("in transit: 3 messages held for their next hop")
+    assert lines[start + 2].split()[0] == "3" and "//t/Receiver" in lines[start + 2]
+    assert "next hop unreachable" in lines[start + 2]
+    doc = json.loads(run("--url", gw, "status", "--json")[1])
+    assert doc["in_transit"]["count"] == 3
+    [held] = doc["in_transit"]["waiting"]
+    assert held["to_service_name"] == "//t/Receiver"
+    assert env_name("west") in held["transmission_status"]
+
+    monkeypatch.setenv(env_name("west"), west)
+    code, out, err = run("--url", gw, "deliver", "--retry-now")
+    assert (code, err) == (0, "")
+    report = dict(f.split(": ") for f in out.splitlines()[-1].split(", "))
+    # The 3 messages, plus whatever of west's answers gw relayed back towards east.
+    assert int(report["forwarded"]) >= 3 and report["failed"] == report["discarded"] == "0"
+    assert json.loads(run("--url", gw, "status", "--json")[1])["in_transit"]["count"] == 0
+    assert depth(west, "Inbox") == 3
+
+
 def test_status_of_an_unmigrated_database_is_a_runtime_error(run: Run, tmp_path: Path) -> None:
     code, out, err = run("--url", f"sqlite:///{tmp_path / 'nothing.db'}", "status")
+    assert code == 1 and out == ""
+    assert err.startswith("error: ") and "migrate" in err
+    assert "Traceback" not in err
+
+
+# --------------------------------------------------------------------------------------------
+# deliver
+
+EAST = """\
+queues: [{name: Outbox}]
+services: [{name: //t/Sender, queue: Outbox}]
+routes:
+  - name: to_west
+    service_name: //t/Receiver
+    address: broker://west
+"""
+
+WEST = """\
+queues: [{name: Inbox}]
+services: [{name: //t/Receiver, queue: Inbox, contracts: [DEFAULT]}]
+"""
+
+
+def send(url: str, count: int) -> None:
+    b = Broker.connect(url)
+    try:
+        with b.transaction() as tx:
+            h = tx.begin_dialog("//t/Sender", "//t/Receiver")
+            for i in range(count):
+                tx.send(h, body=f"message {i}")
+    finally:
+        b.dispose()
+
+
+def depth(url: str, queue: str) -> int:
+    b = Broker.connect(url)
+    try:
+        return next(q.depth for q in b.queue_status() if q.name == queue)
+    finally:
+        b.dispose()
+
+
+@pytest.fixture
+def east_west(
+    broker_url: str, run: Run, tmp_path: Path, request: pytest.FixtureRequest
+) -> tuple[str, str]:
+    """Two broker databases on one engine: east, whose route sends //t/Receiver to
+    broker://west, and west, which hosts it. Three messages wait in east's transmission queue."""
+    if broker_url.startswith("sqlite"):
+        west = f"sqlite:///{tmp_path / 'west.db'}"
+        assert run("--url", west, "migrate")[0] == 0
+    else:
+        west = request.getfixturevalue("make_pg_database")()
+    assert run("--url", broker_url, "apply", write(tmp_path, "east.yaml", EAST))[0] == 0
+    assert run("--url", west, "apply", write(tmp_path, "west.yaml", WEST))[0] == 0
+    send(broker_url, 3)
+    return broker_url, west
+
+
+def test_deliver_once_resolves_names_from_the_environment(
+    east_west: tuple[str, str], run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    east, west = east_west
+    monkeypatch.delenv(env_name("west"), raising=False)
+    code, out, err = run("--url", east, "deliver")
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        out.splitlines()[0],
+        "delivered: 0, acknowledged: 0, delayed: 3, failed: 0, discarded: 0, forwarded: 0",
+    ]
+    assert out.startswith(f"broker database: {make_url(east).render_as_string()} (--url)")
+    doc = json.loads(run("--url", east, "status", "--json")[1])
+    [waiting] = doc["transmission_queue"]["waiting"]
+    assert waiting["count"] == 3 and "AIRFLOW_BROKER_ADDRESS_WEST" in waiting["transmission_status"]
+
+    monkeypatch.setenv("AIRFLOW_BROKER_ADDRESS_WEST", west)
+    code, out, err = run("--url", east, "deliver", "--retry-now", "--max-messages", "2", "--json")
+    assert (code, err) == (0, "")
+    report = json.loads(out)
+    assert report == {**report, "delivered": 2, "acknowledged": 2, "failed": 0}
+    assert set(report) == {f.name for f in dataclasses.fields(DeliveryReport)}
+    assert depth(west, "Inbox") == 2
+
+    code, out, err = run("--url", east, "deliver", "--retry-now")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[-1].startswith("delivered: 1, acknowledged: 1, delayed: 0")
+    assert depth(west, "Inbox") == 3
+    assert json.loads(run("--url", east, "status", "--json")[1])["transmission_queue"] == {
+        "count": 0,
+        "waiting": [],
+    }
+
+
+def test_deliver_loop_runs_until_sigterm(tmp_path: Path) -> None:
+    """The way cron or systemd runs it: a process, stopped by SIGTERM between two passes."""
+    east, west = f"sqlite:///{tmp_path / 'east.db'}", f"sqlite:///{tmp_path / 'west.db'}"
+    for url, text in ((east, EAST), (west, WEST)):
+        assert main(["--url", url, "migrate"]) == 0
+        assert main(["--url", url, "apply", str(write(tmp_path, "f.yaml", text))]) == 0
+    send(east, 3)
+    env = {**os.environ, "AIRFLOW_BROKER_ADDRESS_WEST": west, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "airflow_broker.cli", "--url", east, "deliver", "--loop", "0.2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        seen: list[str] = []
+        deadline = time.monotonic() + 60
+        while not any("delivered: 3" in line for line in seen):
+            assert time.monotonic() < deadline, seen
+            line = proc.stdout.readline()
+            assert line, (seen, proc.stderr.read() if proc.stderr else "")
+            seen.append(line.rstrip("\n"))
+        time.sleep(0.5)  # a few empty passes: not printed
+        proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert err == ""
+    assert (
+        seen[1] == "delivering every 0.2s; stop with Ctrl-C or SIGTERM "
+        "(passes that move nothing are not shown)"
+    )
+    assert re.fullmatch(
+        r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ delivered: 3, acknowledged: 3, .*", seen[-1]
+    )
+    [last] = rest.splitlines()
+    assert re.fullmatch(r"stopped after \d+ passes; in all delivered: 3, acknowledged: 3, .*", last)
+    assert depth(west, "Inbox") == 3
+
+
+@pytest.fixture
+def fake_deliver(monkeypatch: pytest.MonkeyPatch) -> Callable[[list[object]], list[int]]:
+    """Replace Broker.deliver by a script: each item is a DeliveryReport to return, an exception
+    to raise, or a number of SIGTERMs to send this process before returning an empty report."""
+
+    def install(script: list[object]) -> list[int]:
+        calls: list[int] = []
+
+        def deliver(
+            self: Broker, max_messages: int | None = None, *, retry_now: bool = False
+        ) -> DeliveryReport:
+            calls.append(max_messages or 0)
+            step = script[len(calls) - 1]
+            if isinstance(step, BaseException):
+                raise step
+            if isinstance(step, int):
+                for _ in range(step):
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.05)
+                return DeliveryReport(forwarded=1)
+            assert isinstance(step, DeliveryReport)
+            return step
+
+        monkeypatch.setattr(Broker, "deliver", deliver)
+        return calls
+
+    return install
+
+
+def test_deliver_loop_reports_a_failing_pass_and_goes_on(
+    fake_deliver: Callable[[list[object]], list[int]], run: Run, tmp_path: Path
+) -> None:
+    down = OperationalError(
+        "SELECT 1", {}, Exception("server closed the connection unexpectedly\nDETAIL")
+    )
+    calls = fake_deliver([down, DeliveryReport(delivered=2, acknowledged=2), DeliveryReport(), 1])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+
+    code, out, err = run("--url", url, "deliver", "--loop", "0.01", "--max-messages", "50")
+
+    assert code == 0
+    assert calls == [50, 50, 50, 50]
+    assert re.fullmatch(r"\S+Z error: server closed the connection unexpectedly\n", err)
+    lines = out.splitlines()
+    assert [line.split(" ", 1)[1] for line in lines[2:-1]] == [
+        "delivered: 2, acknowledged: 2, delayed: 0, failed: 0, discarded: 0, forwarded: 0",
+        "delivered: 0, acknowledged: 0, delayed: 0, failed: 0, discarded: 0, forwarded: 1",
+    ]  # the empty third pass is not shown
+    assert lines[-1] == (
+        "stopped after 3 passes; in all delivered: 2, acknowledged: 2, delayed: 0, failed: 0, "
+        "discarded: 0, forwarded: 1"
+    )
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # put back
+
+
+def test_deliver_loop_json_lines(
+    fake_deliver: Callable[[list[object]], list[int]], run: Run, tmp_path: Path
+) -> None:
+    fake_deliver([DeliveryReport(delivered=1), 1])
+    code, out, _ = run(
+        "--url", f"sqlite:///{tmp_path / 'b.db'}", "deliver", "--loop", "1", "--json"
+    )
+    assert code == 0
+    docs = [json.loads(line) for line in out.splitlines()]
+    assert [d["delivered"] for d in docs] == [1, 0] and [d["forwarded"] for d in docs] == [0, 1]
+    assert all(d["at"].endswith("Z") for d in docs)
+
+
+def test_deliver_loop_second_signal_interrupts_the_pass(
+    fake_deliver: Callable[[list[object]], list[int]], run: Run, tmp_path: Path
+) -> None:
+    fake_deliver([2])
+    code, out, err = run("--url", f"sqlite:///{tmp_path / 'b.db'}", "deliver", "--loop", "5")
+    assert code == 130
+    assert err == "interrupted in the middle of a delivery pass\n"
+    assert "stopped after" not in out
+
+
+def test_deliver_on_an_unmigrated_database_is_a_runtime_error(run: Run, tmp_path: Path) -> None:
+    code, out, err = run("--url", f"sqlite:///{tmp_path / 'nothing.db'}", "deliver")
     assert code == 1 and out == ""
     assert err.startswith("error: ") and "migrate" in err
     assert "Traceback" not in err
@@ -525,6 +1133,10 @@ def test_status_of_an_unmigrated_database_is_a_runtime_error(run: Run, tmp_path:
         (["apply"], "required"),
         (["apply", "/no/such/file.yaml"], "cannot read /no/such/file.yaml"),
         (["--url", "not a url", "status"], "is not a database URL"),
+        (["deliver", "--max-messages", "0"], "must be at least 1, not 0"),
+        (["deliver", "--max-messages", "many"], "'many' is not a whole number"),
+        (["deliver", "--loop", "-1"], "must be a positive number of seconds, not -1"),
+        (["deliver", "--loop", "soon"], "'soon' is not a number of seconds"),
     ],
 )
 def test_usage_errors_exit_2(argv: list[str], message: str, run: Run) -> None:
@@ -535,7 +1147,9 @@ def test_usage_errors_exit_2(argv: list[str], message: str, run: Run) -> None:
 
 def test_help_exits_0(run: Run) -> None:
     code, out, _ = run("--help")
-    assert code == 0 and "migrate" in out and "apply" in out and "status" in out
+    assert code == 0 and all(c in out for c in ("migrate", "apply", "status", "deliver"))
+    code, out, _ = run("deliver", "--help")
+    assert code == 0 and "AIRFLOW_BROKER_ADDRESS_<NAME>" in out and "--loop SECONDS" in out
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from airflow_broker import (
     UnknownObject,
 )
 from airflow_broker.constants import AUTO_CREATED_LOCAL
+from airflow_broker.dynamic import BROKER_CONFIGURATION_NOTICE, MISSING_ROUTE
 from airflow_broker.objects import (
     ContractDef,
     MessageTypeDef,
@@ -104,7 +105,7 @@ def test_message_type_refusals(broker: Broker) -> None:
         broker.create_message_type(
             "//t/BadSchema", validation="json_schema", json_schema={"type": 12}
         )
-    assert set(broker.catalog().message_types) == {DEFAULT}
+    assert set(broker.catalog().message_types) == {DEFAULT, MISSING_ROUTE}  # the system's
 
     broker.create_message_type("//t/M", validation="json")
     with pytest.raises(ObjectExists, match=named("//t/M")):
@@ -163,7 +164,7 @@ def test_contract_refusals(broker: Broker) -> None:
         broker.create_contract("//t/Both", {"//t/Req": "both"})
     with pytest.raises(UnknownObject, match=named("//t/Missing")):
         broker.create_contract("//t/C", {"//t/Req": "initiator", "//t/Missing": "target"})
-    assert set(broker.catalog().contracts) == {DEFAULT}
+    assert set(broker.catalog().contracts) == {DEFAULT, BROKER_CONFIGURATION_NOTICE}
 
     # Nothing of the refused contracts was left behind: the names can be created cleanly.
     broker.create_contract("//t/C", {"//t/Req": "initiator"})

@@ -1,0 +1,138 @@
+"""Set-based writes of many rows: one statement on PostgreSQL, executemany elsewhere.
+
+On PostgreSQL, ``INSERT ... SELECT FROM unnest(arrays)`` and ``UPDATE ... FROM unnest(arrays)``
+send a batch of rows as one array per column: one statement, one round trip and one plan,
+whatever the number of rows (psycopg's pipelined executemany still runs one statement per row on
+the server). The delivery path between brokers writes every batch this way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Integer,
+    LargeBinary,
+    SmallInteger,
+    String,
+    Table,
+    Text,
+    TextClause,
+    Uuid,
+    bindparam,
+    delete,
+    insert,
+    text,
+    tuple_,
+    update,
+)
+from sqlalchemy.engine import Connection
+from sqlalchemy.types import TypeEngine
+
+
+def _pg_type(sa_type: TypeEngine[Any]) -> str:
+    # Order matters: BigInteger and SmallInteger are Integers.
+    for cls, name in (
+        (BigInteger, "bigint"),
+        (SmallInteger, "smallint"),
+        (Integer, "integer"),
+        (Boolean, "boolean"),
+        (Uuid, "uuid"),
+        (DateTime, "timestamptz"),
+        (LargeBinary, "bytea"),
+        (Text, "text"),
+        (String, "text"),
+    ):
+        if isinstance(sa_type, cls):
+            return name
+    raise TypeError(f"no PostgreSQL array type for {sa_type!r}")
+
+
+def _arrays(table: Table, columns: Sequence[str]) -> str:
+    return ", ".join(f"CAST(:{c} AS {_pg_type(table.c[c].type)}[])" for c in columns)
+
+
+@cache
+def _insert_sql(table: Table, columns: tuple[str, ...]) -> TextClause:
+    return text(
+        f"INSERT INTO {table.name} ({', '.join(columns)}) "
+        f"SELECT * FROM unnest({_arrays(table, columns)})"
+    )
+
+
+@cache
+def _update_sql(
+    table: Table, key: str, columns: tuple[str, ...], only_if_null: tuple[str, ...]
+) -> TextClause:
+    names = (key, *columns)
+    sets = ", ".join(f"{c} = v.{c}" for c in columns)
+    guard = "".join(f" AND t.{c} IS NULL" for c in only_if_null)
+    return text(
+        f"UPDATE {table.name} AS t SET {sets} "
+        f"FROM unnest({_arrays(table, names)}) AS v({', '.join(names)}) "
+        f"WHERE t.{key} = v.{key}{guard}"
+    )
+
+
+def insert_rows(conn: Connection, table: Table, rows: Sequence[dict[str, Any]]) -> None:
+    """INSERT ``rows`` (dicts with the same keys) into ``table``."""
+    if not rows:
+        return
+    if conn.dialect.name != "postgresql":
+        conn.execute(insert(table), list(rows))
+        return
+    columns = tuple(rows[0])
+    conn.execute(_insert_sql(table, columns), {c: [r[c] for r in rows] for c in columns})
+
+
+def update_rows(
+    conn: Connection,
+    table: Table,
+    key: str,
+    rows: Sequence[dict[str, Any]],
+    *,
+    only_if_null: tuple[str, ...] = (),
+) -> None:
+    """UPDATE ``table`` rows by ``key``: each dict gives the key and the new column values
+    (the same keys in every dict). ``only_if_null``: leave rows whose column is already set."""
+    if not rows:
+        return
+    columns = tuple(c for c in rows[0] if c != key)
+    if conn.dialect.name != "postgresql":
+        stmt = update(table).where(table.c[key] == bindparam(f"b_{key}"))
+        for c in only_if_null:
+            stmt = stmt.where(table.c[c].is_(None))
+        stmt = stmt.values({c: bindparam(f"b_{c}") for c in columns})
+        conn.execute(stmt, [{f"b_{k}": v for k, v in r.items()} for r in rows])
+        return
+    conn.execute(
+        _update_sql(table, key, columns, only_if_null),
+        {c: [r[c] for r in rows] for c in (key, *columns)},
+    )
+
+
+@cache
+def _delete_sql(table: Table, columns: tuple[str, ...]) -> TextClause:
+    return text(
+        f"DELETE FROM {table.name} WHERE ({', '.join(columns)}) IN "
+        f"(SELECT * FROM unnest({_arrays(table, columns)}))"
+    )
+
+
+def delete_rows(
+    conn: Connection, table: Table, columns: tuple[str, ...], keys: Sequence[tuple[Any, ...]]
+) -> None:
+    """DELETE the rows of ``table`` whose ``columns`` equal one of ``keys``."""
+    if not keys:
+        return
+    if conn.dialect.name != "postgresql":
+        conn.execute(delete(table).where(tuple_(*(table.c[c] for c in columns)).in_(list(keys))))
+        return
+    conn.execute(
+        _delete_sql(table, columns), {c: [k[i] for k in keys] for i, c in enumerate(columns)}
+    )

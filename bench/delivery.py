@@ -1,0 +1,522 @@
+"""Delivery between two broker databases on PostgreSQL, against the floor of a plain copy.
+
+Run from the repository root::
+
+    python -m bench.delivery                          # 1,000 dialogs x 10 messages, 3 rounds
+    python -m bench.delivery --dialogs 2000           # the issue's size (slower)
+    python -m bench.delivery --profile 25             # + cProfile of deliver()
+
+What is measured: messages per second that ``Broker.deliver()`` moves from broker database A to
+broker database B on the same PostgreSQL server, batched (``Transport.BATCH`` messages per push),
+and the same rows moved by the simplest exactly-once copy a Python program can do between two
+databases (``bench/_delivery_floor.py``): SELECT a batch from A, INSERT it into B and commit on B,
+DELETE it from A and commit on A. That copy is the floor of this design: the broker does the same
+work plus routing, the far broker's accept code (endpoints, sequence numbers, the target queue)
+and the acknowledgments.
+
+Setup (untimed, once): two scratch databases, each created empty and migrated with
+``Broker.migrate()``, so each has its own broker instance id. On B: a queue, the service
+``//bench/Target`` (contract DEFAULT) and a route for ``//bench/Initiator`` to ``broker://a``;
+on A: a queue, the service ``//bench/Initiator`` and a route for ``//bench/Target`` to
+``broker://b``; the resolver maps ``a`` and ``b`` to the two URLs. A then begins ``--dialogs``
+dialogs and SENDs ``--messages`` messages with a 200-byte body on each, in batches (one
+transaction begins ``--send-batch`` dialogs and sends to all of them with ``tx.send(handles,
+...)``, ``--messages`` times); they wait in A's transmission queue. These two databases are
+the templates of the rounds.
+
+Each round (``--rounds``, default 3) runs on fresh data: new databases A and B cloned from the
+templates (A from A's, B from B's: they never share an instance id), so every round starts
+from the same undelivered messages and empty target tables, and pays nothing for the
+previous round's dead rows. Loading once keeps the run short.
+
+Timed, in each round (the order of the two alternates between rounds):
+
+- broker: ``a.deliver()`` in a loop until A's transmission queue is empty. The reports must add
+  up (delivered = acknowledged = messages, nothing delayed, failed or discarded) and B's
+  target queue must then hold exactly dialogs x messages messages.
+- floor: the same rows (a snapshot of A's transmission queue taken before delivery, all its
+  columns) copied from a table in A to an equivalent table in B, with both insert methods of
+  ``bench/_delivery_floor.py``; the faster one's median is the floor.
+
+Before every timed part the databases are ``VACUUM ANALYZE``d (the dev server runs with
+autovacuum off) and a ``CHECKPOINT`` is taken, so no part pays for the previous one's writes.
+The table shows each method's median round; the target line is
+``target delivery_vs_copy: RATIO (goal >= 0.25)`` with RATIO = broker median msgs/s / floor
+median msgs/s. The scratch databases are dropped at the end, also on error.
+
+Why a quarter of the floor: per batch the copy writes the rows once and deletes them once. The
+broker does that too, and on top: a target endpoint and conversation group for every new dialog,
+the far endpoints' sequence numbers, the target queue's three indexes and its NOTIFY trigger,
+routing, and the acknowledgments applied at the sender (binding the far broker instance). Each of
+those is one set-based statement per batch (``airflow_broker/bulk.py``); what is left is server
+work the copy does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import psycopg
+
+from bench import _delivery_floor as floor
+from bench._scratch import Database, ScratchServer
+
+if TYPE_CHECKING:
+    from airflow_broker import Broker
+
+GOAL = 0.25
+TARGET_NAME = "delivery_vs_copy"
+INITIATOR = "//bench/Initiator"
+TARGET = "//bench/Target"
+INITIATOR_QUEUE = "bench_initiator_q"
+TARGET_QUEUE = "bench_target_q"
+BROKER = "airflow-broker deliver()"
+#: 200 bytes, not all alike
+BODY = (b"bench-delivery:" + bytes(range(32, 127)) * 3)[:200]
+#: a deliver() loop that takes longer than this is reported as stuck
+DELIVER_TIMEOUT = 900.0
+REPORT_FIELDS = ("delivered", "acknowledged", "delayed", "failed", "discarded", "forwarded")
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """One timed run of one method."""
+
+    messages: int
+    seconds: float
+    #: deliver() passes, or copy batches
+    steps: int
+
+    @property
+    def rate(self) -> float:
+        return self.messages / self.seconds
+
+
+@dataclass
+class Results:
+    """Every timed run, by method, plus what the rounds observed on the way."""
+
+    runs: dict[str, list[Timed]] = field(default_factory=dict)
+    load_rates: list[float] = field(default_factory=list)
+    reports: list[dict[str, int]] = field(default_factory=list)
+
+    def add(self, method: str, run: Timed) -> None:
+        self.runs.setdefault(method, []).append(run)
+
+    def median(self, method: str) -> Timed:
+        """The median run of ``method`` (by time)."""
+        runs = sorted(self.runs[method], key=lambda r: r.seconds)
+        return runs[len(runs) // 2]
+
+
+def _batch_size() -> int:
+    from airflow_broker.transport import Transport
+
+    return int(Transport.BATCH)
+
+
+def _run_sql(db: Database, *statements: str) -> None:
+    with psycopg.connect(db.conninfo, autocommit=True) as conn:
+        for statement in statements:
+            conn.execute(statement)
+
+
+def _quiesce(*dbs: Database) -> None:
+    """VACUUM ANALYZE each database, then one CHECKPOINT: every timed part starts alike."""
+    for db in dbs:
+        _run_sql(db, "VACUUM ANALYZE")
+    _run_sql(dbs[0], "CHECKPOINT")
+
+
+def _count(conn: psycopg.Connection, query: str) -> int:
+    row = conn.execute(query).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _define(a: Broker, b: Broker) -> None:
+    """B hosts the target and routes the initiator to ``broker://a``; A the other way round."""
+    from airflow_broker import DEFAULT
+
+    with b.definitions() as d:
+        d.create_queue(TARGET_QUEUE)
+        d.create_service(TARGET, queue=TARGET_QUEUE, contracts=[DEFAULT])
+        d.create_route("bench_to_initiator", service_name=INITIATOR, address="broker://a")
+    with a.definitions() as d:
+        d.create_queue(INITIATOR_QUEUE)
+        d.create_service(INITIATOR, queue=INITIATOR_QUEUE, contracts=[DEFAULT])
+        d.create_route("bench_to_target", service_name=TARGET, address="broker://b")
+
+
+def _load(a: Broker, dialogs: int, messages: int, send_batch: int) -> None:
+    """Begin ``dialogs`` dialogs on A and send ``messages`` messages on each, in batches."""
+    for first in range(0, dialogs, send_batch):
+        with a.transaction() as tx:
+            handles = [
+                tx.begin_dialog(INITIATOR, TARGET) for _ in range(min(send_batch, dialogs - first))
+            ]
+            for _ in range(messages):
+                tx.send(handles, body=BODY)
+
+
+def _waiting(db: Database) -> int:
+    with psycopg.connect(db.conninfo) as conn:
+        return _count(conn, "SELECT count(*) FROM broker_transmission_queue")
+
+
+class Loaded:
+    """The loaded state every round starts from, built once: templates of A and B.
+
+    A and B are each created empty (from ``template0``) and migrated, so each has its own broker
+    instance id; A holds the loaded transmission queue and the floor's snapshot table. A round
+    clones A's template into its A and B's into its B: the two never share an instance id, and
+    every round starts from the same undelivered messages in new databases.
+    """
+
+    def __init__(self, server: ScratchServer, args: argparse.Namespace) -> None:
+        from airflow_broker import Broker
+
+        self.server = server
+        self.total = args.dialogs * args.messages
+        self.db_a = server.create("template0", "delivery", "tpl", "a")
+        self.db_b = server.create("template0", "delivery", "tpl", "b")
+        resolver = {"a": self.db_a.sqlalchemy_url, "b": self.db_b.sqlalchemy_url}
+        a = Broker.connect(self.db_a.sqlalchemy_url, resolver=resolver)
+        b = Broker.connect(self.db_b.sqlalchemy_url, resolver=resolver)
+        try:
+            a.migrate()
+            b.migrate()
+            self.instance_ids = (a.instance_id, b.instance_id)
+            if self.instance_ids[0] == self.instance_ids[1]:
+                raise RuntimeError("A and B have the same broker instance id")
+            _define(a, b)
+            start = time.perf_counter()
+            _load(a, args.dialogs, args.messages, args.send_batch)
+            self.load_rate = self.total / (time.perf_counter() - start)
+        finally:
+            a.dispose()
+            b.dispose()
+        waiting = _waiting(self.db_a)
+        if waiting != self.total:
+            raise RuntimeError(
+                f"load: {waiting} messages in A's transmission queue, not {self.total}"
+            )
+        snap = floor.prepare(self.db_a, self.db_b)
+        if snap != self.total:
+            raise RuntimeError(f"snapshot holds {snap} rows, not {self.total}")
+        _quiesce(self.db_a, self.db_b)
+
+
+class Pair:
+    """One round's A and B: fresh clones of the loaded templates, with their brokers."""
+
+    def __init__(self, server: ScratchServer, loaded: Loaded, label: str) -> None:
+        from airflow_broker import Broker
+
+        self.server = server
+        self.dbs: list[Database] = []
+        self.brokers: list[Broker] = []
+        try:
+            self.db_a = self._clone(loaded.db_a, label, "a")
+            self.db_b = self._clone(loaded.db_b, label, "b")
+            resolver = {"a": self.db_a.sqlalchemy_url, "b": self.db_b.sqlalchemy_url}
+            for db in (self.db_a, self.db_b):
+                self.brokers.append(Broker.connect(db.sqlalchemy_url, resolver=resolver))
+            self.a, self.b = self.brokers
+            if (self.a.instance_id, self.b.instance_id) != loaded.instance_ids:
+                raise RuntimeError("the clones do not carry their templates' instance ids")
+            waiting = _waiting(self.db_a)
+            if waiting != loaded.total:
+                raise RuntimeError(f"{waiting} messages waiting in A, not {loaded.total}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _clone(self, template: Database, label: str, side: str) -> Database:
+        db = self.server.create(template.name, "delivery", label, side)
+        self.dbs.append(db)
+        return db
+
+    def deliver(self, total: int, profile: cProfile.Profile | None) -> tuple[Timed, dict[str, int]]:
+        """``a.deliver()`` until A's transmission queue is empty (timed); checked afterwards."""
+        sums = dict.fromkeys(REPORT_FIELDS, 0)
+        passes = 0
+        with psycopg.connect(self.db_a.conninfo, autocommit=True) as watch:
+            left_query = "SELECT count(*) FROM broker_transmission_queue"
+            _count(watch, left_query)
+            if profile is not None:
+                profile.enable()
+            start = time.perf_counter()
+            while True:
+                report = self.a.deliver()
+                passes += 1
+                for name in REPORT_FIELDS:
+                    sums[name] += int(getattr(report, name))
+                left = _count(watch, left_query)
+                if left == 0:
+                    break
+                if report.delivered == 0 or time.perf_counter() - start > DELIVER_TIMEOUT:
+                    if profile is not None:
+                        profile.disable()
+                    raise RuntimeError(
+                        f"deliver() is stuck with {left} messages left after {passes} passes "
+                        f"(last report {report}); waiting: {self.a.transmission_summary()}"
+                    )
+            seconds = time.perf_counter() - start
+            if profile is not None:
+                profile.disable()
+        problems = [
+            f"{name}={sums[name]}"
+            for name in ("delayed", "failed", "discarded", "forwarded")
+            if sums[name]
+        ]
+        for name in ("delivered", "acknowledged"):
+            if sums[name] != total:
+                problems.insert(0, f"{name}={sums[name]} of {total}")
+        depth = sum(q.depth for q in self.b.queue_status() if q.name == TARGET_QUEUE)
+        if depth != total:
+            problems.append(f"B's queue {TARGET_QUEUE} holds {depth} messages, not {total}")
+        if problems:
+            raise RuntimeError(f"deliver(): the numbers do not add up: {', '.join(problems)}")
+        return Timed(total, seconds, passes), sums
+
+    def copy(self, total: int, batch: int, method: str) -> Timed:
+        """The floor: the snapshot copied from A to B by ``method`` (timed); checked afterwards."""
+        floor.fill(self.db_a, self.db_b)
+        _run_sql(self.db_a, "CHECKPOINT")
+        result = floor.copy(self.db_a, self.db_b, batch, method)
+        in_b = floor.count(self.db_b, floor.TARGET)
+        in_a = floor.count(self.db_a, floor.SOURCE)
+        if result.rows != total or in_b != total or in_a:
+            raise RuntimeError(
+                f"copy ({method}): moved {result.rows}, {in_b} rows in B, {in_a} left in A; "
+                f"expected {total}"
+            )
+        return Timed(total, result.seconds, result.batches)
+
+    def close(self) -> None:
+        """Dispose of the brokers' engines and drop both databases."""
+        try:
+            for broker in self.brokers:
+                broker.dispose()
+        finally:
+            for db in self.dbs:
+                self.server.drop(db)
+
+
+def run_round(
+    server: ScratchServer,
+    loaded: Loaded,
+    index: int,
+    batch: int,
+    results: Results,
+    profile: cProfile.Profile | None,
+) -> None:
+    """One fresh pair of databases: the broker and the floor, in alternating order."""
+    total = loaded.total
+    pair = Pair(server, loaded, f"r{index}")
+    try:
+        methods = list(floor.METHODS) if index % 2 == 0 else list(reversed(floor.METHODS))
+
+        def broker_part() -> None:
+            _quiesce(pair.db_a, pair.db_b)
+            run, sums = pair.deliver(total, profile)
+            results.add(BROKER, run)
+            results.reports.append(sums)
+            _say(
+                f"  round {index + 1}: {BROKER:28} {run.rate:>9,.0f} msgs/s "
+                f"({run.seconds:.2f}s, {run.steps} passes)"
+            )
+
+        def floor_part() -> None:
+            for method in methods:
+                run = pair.copy(total, batch, method)
+                results.add(_floor_name(method), run)
+                _say(
+                    f"  round {index + 1}: {_floor_name(method):28} {run.rate:>9,.0f} msgs/s "
+                    f"({run.seconds:.2f}s, {run.steps} batches)"
+                )
+
+        parts = [broker_part, floor_part] if index % 2 == 0 else [floor_part, broker_part]
+        for part in parts:
+            part()
+    finally:
+        pair.close()
+
+
+def _floor_name(method: str) -> str:
+    return f"copy floor: {method}"
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def format_table(results: Results, batch: int) -> str:
+    """The median run of each method as an aligned text table."""
+    header = (
+        "method",
+        "messages",
+        "batch",
+        "rounds",
+        "median s",
+        "msgs/s",
+        "min msgs/s",
+        "max msgs/s",
+        "steps",
+    )
+    lines = [header]
+    for method, runs in results.runs.items():
+        median = results.median(method)
+        rates = [r.rate for r in runs]
+        lines.append(
+            (
+                method,
+                str(median.messages),
+                str(batch),
+                str(len(runs)),
+                f"{median.seconds:.3f}",
+                f"{median.rate:,.0f}",
+                f"{min(rates):,.0f}",
+                f"{max(rates):,.0f}",
+                str(median.steps),
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for n, line in enumerate(lines):
+        cells = [
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        ]
+        out.append("  ".join(cells).rstrip())
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def ratio_lines(results: Results) -> list[str]:
+    """The target line (broker median / the faster floor's median) and info lines."""
+    broker = results.median(BROKER).rate
+    floors = {
+        m: results.median(_floor_name(m)).rate
+        for m in floor.METHODS
+        if _floor_name(m) in results.runs
+    }
+    best = max(floors, key=lambda m: floors[m])
+    lines = [
+        f"target {TARGET_NAME}: {broker / floors[best]:.2f} (goal >= {GOAL})",
+        f"info {TARGET_NAME}: floor = {best} copy, {floors[best]:,.0f} msgs/s; "
+        + ", ".join(f"vs {m}: {broker / rate:.2f}" for m, rate in floors.items()),
+    ]
+    sums = {name: sum(r[name] for r in results.reports) for name in REPORT_FIELDS}
+    lines.append(
+        "info deliver_reports: "
+        + ", ".join(f"{k} {v}" for k, v in sums.items())
+        + f" (over {len(results.reports)} rounds)"
+    )
+    lines.append(
+        f"info load: SEND on A {statistics.median(results.load_rates):,.0f} msgs/s "
+        f"(untimed; A is loaded once and cloned for every round)"
+    )
+    return lines
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(
+        prog="python -m bench.delivery",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--dialogs", type=int, default=1000, help="dialogs per round")
+    p.add_argument("--messages", type=int, default=10, help="messages per dialog")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="measured rounds, each on fresh databases (median is shown)",
+    )
+    p.add_argument(
+        "--send-batch",
+        type=int,
+        default=500,
+        help="dialogs begun and sent to per loading transaction",
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run deliver() under cProfile and print its N hottest functions "
+        "(the broker's timings then include the profiler's overhead)",
+    )
+    p.add_argument(
+        "--url",
+        default=None,
+        help="server URL (default: $BROKER_BENCH_POSTGRES_URL or local postgres)",
+    )
+    args = p.parse_args(argv)
+    for name in ("dialogs", "messages", "rounds", "send_batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def _print_profile(profile: cProfile.Profile, top: int) -> None:
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        stats = pstats.Stats(profile, stream=out)
+        stats.strip_dirs().sort_stats(key).print_stats(top)
+        _say(f"\n--- cProfile of deliver(), by {key} ---")
+        _say(out.getvalue())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; print the table and the ratio lines."""
+    args = parse_args(argv)
+    try:
+        batch = _batch_size()
+    except ImportError as exc:
+        raise SystemExit(f"airflow_broker.transport.Transport is not importable: {exc}") from exc
+    server = ScratchServer(args.url)
+    server.check()
+    profile = cProfile.Profile() if args.profile else None
+    results = Results()
+    started = time.perf_counter()
+    _say(
+        f"delivery: {args.dialogs} dialogs x {args.messages} messages of {len(BODY)} bytes, "
+        f"push batch {batch}, {args.rounds} rounds"
+    )
+    try:
+        loaded = Loaded(server, args)
+        _say(
+            f"  loaded A once: SEND {loaded.load_rate:,.0f} msgs/s "
+            f"({time.perf_counter() - started:.0f}s with setup)"
+        )
+        results.load_rates.append(loaded.load_rate)
+        for index in range(args.rounds):
+            run_round(server, loaded, index, batch, results, profile)
+    finally:
+        server.drop_all()
+    print(format_table(results, batch))
+    print()
+    for line in ratio_lines(results):
+        print(line)
+    if profile is not None:
+        _print_profile(profile, args.profile)
+    _say(f"\n(total wall time {time.perf_counter() - started:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""Airflow connections as broker addresses.
+
+A route names another broker by a logical name (``broker://west``); inside Airflow that name is
+an Airflow connection id. This module turns such a connection into a SQLAlchemy URL. The engine
+(``airflow_broker.transport.resolve``) asks it only inside Airflow (a process that has imported
+it: a task, the triggerer, the API server) and when neither the broker's own resolver nor
+``AIRFLOW_BROKER_ADDRESS_<NAME>`` knows the name. Connections are read
+through the Task SDK (``airflow.sdk.BaseHook``), so task code never touches Airflow's ORM.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Any
+
+from sqlalchemy.engine import URL
+
+log = logging.getLogger("airflow_broker")
+
+#: Seconds a looked-up connection is reused before asking Airflow again.
+CACHE_SECONDS = 60.0
+
+_cache: dict[str, tuple[float, str | None]] = {}
+_lock = threading.Lock()
+
+#: Airflow connection types that name a PostgreSQL server.
+POSTGRES_TYPES = frozenset({"postgres", "postgresql", "broker"})
+
+
+def connection_url(conn: Any) -> str:
+    """The SQLAlchemy URL of an Airflow connection to a broker database.
+
+    ``extra`` may give the whole URL as ``{"url": "..."}``; otherwise ``sqlite`` connections
+    use their host as the file path, and ``postgres`` (or ``broker``) connections are built from
+    host, port, schema (the database), login and password, with the psycopg 3 driver.
+    """
+    extra = conn.extra_dejson or {}
+    if extra.get("url"):
+        return str(extra["url"])
+    conn_type = (conn.conn_type or "").lower()
+    if conn_type == "sqlite":
+        return f"sqlite:///{conn.host}"
+    if conn_type in POSTGRES_TYPES:
+        return URL.create(
+            "postgresql+psycopg",
+            username=conn.login or None,
+            password=conn.password or None,
+            host=conn.host or None,
+            port=conn.port or None,
+            database=conn.schema or None,
+        ).render_as_string(hide_password=False)
+    raise ValueError(
+        f"Airflow connection {conn.conn_id!r} has type {conn.conn_type!r}: a broker address must "
+        "be a postgres, sqlite or broker connection, or give the URL in extra as {\"url\": ...}"
+    )
+
+
+def airflow_connection_url(conn_id: str) -> str | None:
+    """The URL of Airflow connection ``conn_id``, or None outside Airflow (Airflow not imported
+    by this process) or when it has no such connection (cached for :data:`CACHE_SECONDS`)."""
+    now = time.monotonic()
+    with _lock:
+        hit = _cache.get(conn_id)
+    if hit is not None and now - hit[0] < CACHE_SECONDS:
+        return hit[1]
+    if "airflow" not in sys.modules:
+        # Not running inside Airflow: importing it here would configure Airflow's logging in
+        # a plain program that merely has it installed.
+        return None
+    try:
+        from airflow.sdk import BaseHook
+        from airflow.sdk.exceptions import AirflowNotFoundException
+    except ImportError:
+        return None
+    try:
+        url: str | None = connection_url(BaseHook.get_connection(conn_id))
+    except AirflowNotFoundException:
+        url = None
+    with _lock:
+        _cache[conn_id] = (now, url)
+    if url is not None:
+        log.debug("broker://%s resolved through the Airflow connection of that id", conn_id)
+    return url
