@@ -410,3 +410,55 @@ resolved_conversation = Table(
     Column("created_at", Timestamp, nullable=False),
     comment="Seed 000's resolved_conversations: which outbound dialog carries an inbound one.",
 )
+
+activation_monitor = Table(
+    "broker_activation",
+    metadata,
+    Column(
+        "queue_id",
+        Integer,
+        ForeignKey("broker_queue.queue_id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("monitor_key", NAME, nullable=False),
+    # The highest queuing_order the monitor had seen when it last fired: firing is a
+    # compare-and-set on (cursor, fires), so two monitors never fire twice for one arrival.
+    Column("cursor", BigInteger, nullable=False, server_default=text("0")),
+    Column("fires", BigInteger, nullable=False, server_default=text("0")),
+    Column("fired_at", Timestamp, nullable=True),
+    # The depth sampled at observed_at: "the queue keeps growing" compares with it.
+    Column("last_depth", Integer, nullable=True),
+    Column("observed_at", Timestamp, nullable=True),
+    PrimaryKeyConstraint("queue_id", "monitor_key"),
+    comment=(
+        "Activation monitors (seed 004): per queue and monitor, the cursor and depth it last "
+        "acted on, kept in the database so that a restarted triggerer does not fire again."
+    ),
+)
+
+activation_reader = Table(
+    "broker_activation_reader",
+    metadata,
+    Column("reader_id", Uuid, primary_key=True),
+    Column(
+        "queue_id",
+        Integer,
+        ForeignKey("broker_queue.queue_id", ondelete="CASCADE"),
+        nullable=False,
+        index=True,
+    ),
+    # Set when a monitor fired for this reader (cursor: the queuing_order it fired for);
+    # started_at stays empty until a reader claims the row.
+    Column("monitor_key", NAME, nullable=True),
+    Column("cursor", BigInteger, nullable=True),
+    Column("fired_at", Timestamp, nullable=True),
+    Column("started_at", Timestamp, nullable=True),
+    Column("heartbeat_at", Timestamp, nullable=True),
+    Column("finished_at", Timestamp, nullable=True),
+    Column("outcome", String(16), nullable=True),
+    Column("label", NAME, nullable=True),
+    comment=(
+        "Queue readers: started by a monitor and not yet running, running (heartbeat_at), "
+        "or finished (outcome: drained, failed, refused, expired, lost)."
+    ),
+)

@@ -1,1 +1,52 @@
-"""Airflow-facing operators of airflow-broker (installed as `airflow_broker.operators`)."""
+"""Airflow-facing operators of airflow-broker (installed as `airflow_broker.operators`).
+
+- :mod:`.dialog`: ``BeginDialogOperator``, ``SendOperator``, ``ReceiveOperator``,
+  ``EndConversationOperator`` (and their base, ``BrokerOperator``);
+- :mod:`.declarations`: ``ApplyDeclarationsOperator`` (the ``airflow-broker apply`` YAML);
+- :mod:`.reader`: ``DrainQueueOperator`` (an activated reader: registers, drains, exits).
+
+The names are also importable from this package; each module loads on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from airflow_broker.operators.declarations import ApplyDeclarationsOperator
+    from airflow_broker.operators.dialog import (
+        BeginDialogOperator,
+        BrokerOperator,
+        EndConversationOperator,
+        ReceiveOperator,
+        SendOperator,
+    )
+    from airflow_broker.operators.reader import DrainQueueOperator
+
+_MODULES = {
+    "ApplyDeclarationsOperator": "declarations",
+    "BeginDialogOperator": "dialog",
+    "BrokerOperator": "dialog",
+    "DrainQueueOperator": "reader",
+    "EndConversationOperator": "dialog",
+    "ReceiveOperator": "dialog",
+    "SendOperator": "dialog",
+}
+
+__all__ = [
+    "ApplyDeclarationsOperator",
+    "BeginDialogOperator",
+    "BrokerOperator",
+    "DrainQueueOperator",
+    "EndConversationOperator",
+    "ReceiveOperator",
+    "SendOperator",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

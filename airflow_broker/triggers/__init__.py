@@ -1,0 +1,1 @@
+"""Async triggers the Airflow triggerer runs: queue activation and conversation waits."""
