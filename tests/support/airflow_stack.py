@@ -1,0 +1,213 @@
+"""A real Airflow 3 deployment for end-to-end tests: API server, scheduler, DAG processor and
+triggerer as separate processes, LocalExecutor, a SQLite or PostgreSQL metadata database.
+
+`airflow dags test` runs tasks in the test process and hides what matters here: tasks blocked
+from Airflow's ORM, triggers that the triggerer cannot import, serialization of DAGs. This
+harness runs the same commands an operator would, each in its own process group, so a test can
+restart one of them (the triggerer) mid-way. The test process reads the metadata database with
+plain SQL to watch DAG runs; it never goes through Airflow's ORM either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Engine
+
+BIN = Path(sys.executable).parent
+COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class AirflowStack:
+    """One Airflow deployment under ``home``; start it with :meth:`start`."""
+
+    home: Path
+    dags_folder: Path
+    metadata_url: str
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("AIRFLOW__", "AIRFLOW_CONN_", "AIRFLOW_BROKER_ADDRESS_"))
+        }
+        env.update(
+            {
+                "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+                "AIRFLOW_HOME": str(self.home),
+                "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
+                "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+                "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+                "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.metadata_url,
+                "AIRFLOW__API__PORT": str(self.port),
+                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": (
+                    f"http://127.0.0.1:{self.port}/execution/"
+                ),
+                # Parse the DAGs folder often: tests add nothing after start, but the first
+                # parse should not wait for the default interval.
+                "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+                "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
+                "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self.metadata_url.startswith("postgresql"):
+            # Airflow's async engine defaults to asyncpg for PostgreSQL; psycopg 3 does both.
+            env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC"] = self.metadata_url
+        env.update(self.extra_env)
+        return env
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def airflow(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """Run one ``airflow`` command to completion; raise with its output if it fails."""
+        done = subprocess.run(
+            [str(BIN / "airflow"), *args],
+            env=self.env,
+            cwd=self.home,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"`airflow {' '.join(args)}` failed ({done.returncode}):\n"
+                f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
+        return done
+
+    def start(self, components: tuple[str, ...] = COMPONENTS) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.airflow("db", "migrate", timeout=300)
+        for name in components:
+            self.start_component(name)
+
+    def start_component(self, name: str) -> None:
+        args = ["api-server", "--port", str(self.port)] if name == "api-server" else [name]
+        log = (self.home / f"{name}.log").open("ab")
+        self.procs[name] = subprocess.Popen(
+            [str(BIN / "airflow"), *args],
+            env=self.env,
+            cwd=self.home,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stopped with its children
+        )
+
+    def stop_component(self, name: str, *, kill: bool = False) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def restart_component(self, name: str, *, kill: bool = False) -> None:
+        self.stop_component(name, kill=kill)
+        self.start_component(name)
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            self.stop_component(name)
+
+    def log(self, name: str) -> str:
+        path = self.home / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"airflow {name} exited ({proc.returncode}):\n{self.log(name)[-4000:]}"
+                )
+
+    # -- the metadata database, read with plain SQL ----------------------------------------
+    def metadata(self) -> Engine:
+        url = self.metadata_url
+        if url.startswith("postgresql://"):
+            url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
+        return create_engine(url)
+
+    def query(self, sql: str, **params: Any) -> list[Any]:
+        engine = self.metadata()
+        try:
+            with engine.connect() as conn:
+                return list(conn.execute(text(sql), params))
+        finally:
+            engine.dispose()
+
+    def wait_for(
+        self, what: str, check: Callable[[], Any], timeout: float = 120, every: float = 0.5
+    ) -> Any:
+        """Poll ``check`` until it returns something truthy; fail with the logs if it never does."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_alive()
+            with contextlib.suppress(Exception):
+                value = check()
+                if value:
+                    return value
+            if time.monotonic() > deadline:
+                logs = "\n".join(f"--- {n} ---\n{self.log(n)[-3000:]}" for n in self.procs)
+                raise TimeoutError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+            time.sleep(every)
+
+    def wait_for_dags(self, *dag_ids: str, timeout: float = 180) -> None:
+        def parsed() -> bool:
+            rows = self.query("SELECT dag_id FROM serialized_dag")
+            return set(dag_ids) <= {r.dag_id for r in rows}
+
+        self.wait_for(f"DAGs {dag_ids} to be parsed", parsed, timeout=timeout)
+
+    def runs(self, dag_id: str) -> list[Any]:
+        return self.query(
+            "SELECT run_id, state, start_date, end_date, run_type FROM dag_run "
+            "WHERE dag_id = :d ORDER BY id",
+            d=dag_id,
+        )
+
+
+@contextlib.contextmanager
+def airflow_stack(
+    tmp_path: Path,
+    dags_folder: Path,
+    metadata_url: str | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    components: tuple[str, ...] = COMPONENTS,
+) -> Iterator[AirflowStack]:
+    """A running deployment; stopped (process groups terminated) when the block ends."""
+    home = tmp_path / "airflow_home"
+    url = metadata_url or f"sqlite:///{home / 'airflow.db'}"
+    stack = AirflowStack(home, dags_folder, url, dict(extra_env or {}))
+    try:
+        stack.start(components)
+        yield stack
+    finally:
+        stack.stop()
