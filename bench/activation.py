@@ -1,0 +1,185 @@
+"""Activation latency under the real triggerer, beside the scheduler's own latency.
+
+Run from the repository root::
+
+    python -m bench.activation                  # 50 activations, 20 plain runs
+    python -m bench.activation --activations 20
+    python -m bench.activation --scheduler-idle-sleep 0.2 --metadata sqlite
+
+What is measured, on a real Airflow deployment (API server, scheduler, DAG processor, triggerer,
+LocalExecutor; ``tests/support/airflow_stack.py``) with the broker on a scratch PostgreSQL
+database:
+
+- activation: a SEND is committed from outside Airflow (the message body carries the commit
+  time); the triggerer's ``QueueActivationTrigger`` notices, the scheduler starts a run of the
+  reader DAG ``latency_reader`` (``bench/dags/activation_latency.py``), whose task RECEIVEs the
+  message and records when. Latency = first RECEIVE - committed SEND. One activation at a time:
+  the next SEND waits until no reader run is active, so every measurement is a fresh start.
+- scheduler: the same deployment's latency for a plain ``TriggerDagRunOperator`` run: a task
+  stamps the time and triggers ``latency_target``, whose first task records when it started.
+
+The metadata database is a scratch PostgreSQL database (``--metadata sqlite`` for a SQLite
+file). Both latencies are mostly the scheduler's: its loop sleeps up to
+``[scheduler] scheduler_idle_sleep_time`` (Airflow's default 1 s; ``--scheduler-idle-sleep``)
+when it found nothing to do, and an asset event becomes a run, the run's task is queued and the
+task starts on successive loops. The settings used are printed with the results.
+
+Prints p50 and p95 of both, then ``target activation_p50: SECONDS (goal <= 2.0)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sqlalchemy import text
+
+from airflow_broker import Activation, Broker
+from airflow_broker.compat import AIRFLOW_VERSION as airflow_version
+from bench._scratch import ScratchServer
+from tests.support.airflow_stack import AirflowStack, airflow_stack
+
+DAGS = Path(__file__).parent / "dags"
+QUEUE = "latency_q"
+GOAL_P50 = 2.0
+
+
+def _setup_broker(url: str) -> Broker:
+    broker = Broker.connect(url)
+    broker.migrate()
+    with broker.definitions() as d:
+        d.create_queue(QUEUE, activation=Activation(max_readers=4, reader="latency_reader"))
+        d.create_queue("latency_sender_q")
+        d.create_service("//bench/LatencyTarget", queue=QUEUE, contracts=["DEFAULT"])
+        d.create_service("//bench/LatencySender", queue="latency_sender_q")
+    with broker.engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE TABLE bench_latency (id SERIAL PRIMARY KEY, kind TEXT NOT NULL, "
+                "started DOUBLE PRECISION NOT NULL, seen DOUBLE PRECISION NOT NULL)"
+            )
+        )
+    return broker
+
+
+def _count(broker: Broker, kind: str) -> int:
+    with broker.engine.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT count(*) FROM bench_latency WHERE kind = :k"), {"k": kind}
+            ).scalar_one()
+        )
+
+
+def _latencies(broker: Broker, kind: str) -> list[float]:
+    with broker.engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT seen - started FROM bench_latency WHERE kind = :k ORDER BY id"),
+            {"k": kind},
+        ).scalars()
+        return [float(v) for v in rows]
+
+
+def _send(broker: Broker) -> None:
+    with broker.transaction() as tx:
+        h = tx.begin_dialog("//bench/LatencySender", "//bench/LatencyTarget")
+        tx.send(h, body={"sent_at": time.time()})
+        tx.end_conversation(h)
+
+
+def _idle(af: AirflowStack, dag_id: str) -> bool:
+    return not [r for r in af.runs(dag_id) if r.state in ("queued", "running")]
+
+
+def measure(af: AirflowStack, broker: Broker, activations: int, plain: int) -> None:
+    af.wait_for_dags("latency_reader", "latency_plain", "latency_target")
+    # Warm up: the watcher's trigger is running once one activation went through.
+    _send(broker)
+    af.wait_for("the first activation", lambda: _count(broker, "activation") >= 1, timeout=240)
+    af.wait_for("the reader to finish", lambda: _idle(af, "latency_reader"))
+    base = _count(broker, "activation")
+    for i in range(activations):
+        _send(broker)
+        want = base + i + 1
+        af.wait_for(
+            f"activation {i + 1}", lambda w=want: _count(broker, "activation") >= w, every=0.05
+        )
+        af.wait_for("the reader to finish", lambda: _idle(af, "latency_reader"), every=0.1)
+        print(f"  activation {i + 1}/{activations}", file=sys.stderr, flush=True)
+    for i in range(plain):
+        af.airflow("dags", "trigger", "latency_plain")
+        af.wait_for(
+            f"plain run {i + 1}", lambda w=i + 1: _count(broker, "scheduler") >= w, every=0.1
+        )
+        af.wait_for("the target to finish", lambda: _idle(af, "latency_target"), every=0.1)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.activation", description=__doc__)
+    p.add_argument("--activations", type=int, default=50)
+    p.add_argument("--plain", type=int, default=20, help="TriggerDagRunOperator runs")
+    p.add_argument(
+        "--scheduler-idle-sleep",
+        type=float,
+        default=1.0,
+        help="[scheduler] scheduler_idle_sleep_time, seconds (Airflow's default: 1)",
+    )
+    p.add_argument("--metadata", choices=("postgres", "sqlite"), default="postgres")
+    args = p.parse_args(argv)
+
+    server = ScratchServer()
+    server.check()
+    try:
+        empty = server.template("empty", lambda _db: None)
+        db = server.create(empty, "activation")
+        metadata = (
+            server.create(empty, "metadata").sqlalchemy_url if args.metadata == "postgres" else None
+        )
+        broker = _setup_broker(db.sqlalchemy_url)
+        conn_json = json.dumps({"conn_type": "broker", "extra": {"url": db.sqlalchemy_url}})
+        env = {
+            "AIRFLOW_CONN_BROKER_DEFAULT": conn_json,
+            "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": str(args.scheduler_idle_sleep),
+        }
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            airflow_stack(Path(tmp), DAGS, metadata_url=metadata, extra_env=env) as af,
+        ):
+            measure(af, broker, args.activations, args.plain)
+        activation = _latencies(broker, "activation")[1:]  # without the warm-up
+        scheduler = _latencies(broker, "scheduler")
+        broker.dispose()
+    finally:
+        server.drop_all()
+
+    print(
+        f"Airflow {airflow_version}, metadata {args.metadata}, LocalExecutor, "
+        f"scheduler_idle_sleep_time {args.scheduler_idle_sleep:g} s"
+    )
+    print(f"{'latency (s)':<34} {'n':>4} {'p50':>7} {'p95':>7} {'mean':>7}")
+    for name, values in (
+        ("SEND -> first RECEIVE (activation)", activation),
+        ("TriggerDagRunOperator -> 1st task", scheduler),
+    ):
+        print(
+            f"{name:<34} {len(values):>4} {_pct(values, 0.5):>7.2f} {_pct(values, 0.95):>7.2f} "
+            f"{statistics.mean(values):>7.2f}"
+        )
+    print()
+    print(f"target activation_p50: {_pct(activation, 0.5):.2f} (goal <= {GOAL_P50})")
+    print(f"info activation_vs_scheduler_p50: {_pct(activation, 0.5) / _pct(scheduler, 0.5):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
