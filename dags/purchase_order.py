@@ -25,13 +25,13 @@ from __future__ import annotations
 from typing import Any
 
 import pendulum
-from airflow.sdk import DAG, Asset, AssetWatcher, Param, task
+from airflow.sdk import DAG, Param, task
 
 from airflow_broker.examples import purchase_order as po
 from airflow_broker.hooks import BrokerHook
 from airflow_broker.operators.declarations import ApplyDeclarationsOperator
 from airflow_broker.operators.reader import DrainQueueOperator
-from airflow_broker.triggers.activation import QueueActivationTrigger
+from airflow_broker.triggers.activation import queue_asset
 
 BROKER_CONN_ID = "broker_default"
 START = pendulum.datetime(2026, 1, 1, tz="UTC")
@@ -40,18 +40,9 @@ TAGS = ["airflow-broker", "example", "purchase-order"]
 
 def _reader(dag_id: str, queue: str, handler: str, max_readers: int, doc: str) -> DAG:
     """A queue's reader DAG: activated by the queue's trigger, one drain per run."""
-    activation = Asset(
-        name=f"broker_queue_{queue}",
-        watchers=[
-            AssetWatcher(
-                name=f"{queue}_activation",
-                trigger=QueueActivationTrigger(queue=queue, broker_conn_id=BROKER_CONN_ID),
-            )
-        ],
-    )
     with DAG(
         dag_id=dag_id,
-        schedule=[activation],
+        schedule=[queue_asset(queue, broker_conn_id=BROKER_CONN_ID)],
         start_date=START,
         catchup=False,
         max_active_runs=max_readers,

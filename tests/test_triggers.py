@@ -169,6 +169,20 @@ def test_serialize_round_trips(trigger: Any) -> None:
     assert json.loads(json.dumps(kwargs)) == kwargs
 
 
+def test_queue_asset_is_watched_by_the_queues_trigger() -> None:
+    asset = trigger_module.queue_asset("SupplierQueue", broker_conn_id="west", mode="growth")
+    assert asset.name == "broker_queue_SupplierQueue"
+    (watcher,) = asset.watchers
+    assert watcher.name == "SupplierQueue_activation"
+    classpath, kwargs = watcher.trigger.serialize()
+    assert classpath.endswith("QueueActivationTrigger")
+    assert (kwargs["queue"], kwargs["broker_conn_id"], kwargs["mode"]) == (
+        "SupplierQueue",
+        "west",
+        "growth",
+    )
+
+
 def test_activation_trigger_is_an_event_trigger_for_asset_watchers() -> None:
     trigger = QueueActivationTrigger(queue="q")
     assert isinstance(trigger, BaseEventTrigger)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import DBAPIError
 
 from airflow_broker.activation import ACTIVATION_KEY, Fire, Monitor, check_mode, due_step
-from airflow_broker.compat import BaseEventTrigger, TriggerEvent
+from airflow_broker.compat import Asset, AssetWatcher, BaseEventTrigger, TriggerEvent
 from airflow_broker.engines import channel
 from airflow_broker.errors import BrokerError, InvalidDefinition
 
@@ -378,4 +378,27 @@ class QueueActivationTrigger(BaseEventTrigger):
             release_broker(broker)
 
 
-__all__ = ["QueueActivationTrigger", "QueueWaiter", "acquire_broker", "release_broker"]
+def queue_asset(
+    queue: str, *, broker_conn_id: str = "broker_default", name: str | None = None, **kwargs: Any
+) -> Asset:
+    """The asset a queue's reader DAG is scheduled on: named ``broker_queue_QUEUE`` (or
+    ``name``), watched by the queue's :class:`QueueActivationTrigger` (``kwargs`` go to it)::
+
+        @dag(schedule=[queue_asset("SupplierQueue")], max_active_runs=4)
+        def supplier_reader():
+            DrainQueueOperator(task_id="drain", queue="SupplierQueue", handler="pkg.mod:handle")
+    """
+    trigger = QueueActivationTrigger(queue=queue, broker_conn_id=broker_conn_id, **kwargs)
+    return Asset(
+        name=name or f"broker_queue_{queue}",
+        watchers=[AssetWatcher(name=f"{queue}_activation", trigger=trigger)],
+    )
+
+
+__all__ = [
+    "QueueActivationTrigger",
+    "QueueWaiter",
+    "acquire_broker",
+    "queue_asset",
+    "release_broker",
+]
