@@ -10,7 +10,9 @@ Importing this module imports Airflow: the engine (``airflow_broker`` outside ``
 
 from __future__ import annotations
 
+import importlib
 from importlib.metadata import version as _dist_version
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
@@ -43,18 +45,65 @@ try:
 except ImportError:  # pragma: no cover - Airflow 3.0
     from airflow.exceptions import AirflowNotFoundException  # type: ignore[no-redef,unused-ignore]
 
+# -- the API server: the plugin's FastAPI app -------------------------------------------------
+# Imported on first use (PEP 562), never by task code: ``airflow.api_fastapi`` pulls in Airflow's
+# ORM models. ``from airflow_broker.compat import get_user`` triggers the import.
+if TYPE_CHECKING:
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.base_auth_manager import BaseAuthManager
+    from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
+    from airflow.api_fastapi.auth.managers.models.resource_details import (
+        ConnectionDetails,
+        DagDetails,
+    )
+    from airflow.api_fastapi.core_api.security import get_user
+    from airflow.plugins_manager import AirflowPlugin
+
+#: name -> (module, attribute), same in 3.1 and the newest 3.x.
+_API_SERVER_NAMES: dict[str, tuple[str, str]] = {
+    "AirflowPlugin": ("airflow.plugins_manager", "AirflowPlugin"),
+    "BaseAuthManager": ("airflow.api_fastapi.auth.managers.base_auth_manager", "BaseAuthManager"),
+    "BaseUser": ("airflow.api_fastapi.auth.managers.models.base_user", "BaseUser"),
+    "ConnectionDetails": (
+        "airflow.api_fastapi.auth.managers.models.resource_details",
+        "ConnectionDetails",
+    ),
+    "DagDetails": ("airflow.api_fastapi.auth.managers.models.resource_details", "DagDetails"),
+    "get_auth_manager": ("airflow.api_fastapi.app", "get_auth_manager"),
+    # The dependency behind Airflow's own GetUserDep: a bearer token, else the UI's cookie.
+    "get_user": ("airflow.api_fastapi.core_api.security", "get_user"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attribute = _API_SERVER_NAMES[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "AIRFLOW_VERSION",
     "OLDEST_SUPPORTED",
     "AirflowNotFoundException",
+    "AirflowPlugin",
     "Asset",
     "AssetWatcher",
+    "BaseAuthManager",
     "BaseEventTrigger",
     "BaseHook",
     "BaseOperator",
     "BaseSensorOperator",
     "BaseTrigger",
+    "BaseUser",
+    "ConnectionDetails",
     "Context",
+    "DagDetails",
     "PokeReturnValue",
     "TriggerEvent",
+    "get_auth_manager",
+    "get_user",
 ]

@@ -2,9 +2,10 @@
 
 Airflow's ProvidersManager reads this without importing the classes it names: the ``broker``
 connection type and its form, the hook, the triggers the triggerer may run, the ``broker``
-message-queue scheme of ``MessageQueueTrigger`` (common-messaging provider) and the DB manager
-that ``airflow db migrate`` runs. The keys and their shapes are Airflow's
-``provider_info.schema.json``; this module imports nothing from Airflow.
+message-queue scheme of ``MessageQueueTrigger`` (common-messaging provider), the DB manager
+that ``airflow db migrate`` runs, and the plugin that mounts the monitoring API at ``/broker``.
+The keys and their shapes are Airflow's ``provider_info.schema.json``; this module imports
+nothing from Airflow.
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ def get_provider_info() -> dict[str, Any]:
                 "connection-type": "broker",
                 **CONNECTION_FORM,
             }
+        ],
+        # The monitoring API in the API server (also the `airflow.plugins` entry point).
+        "plugins": [
+            {"name": "airflow_broker", "plugin-class": "airflow_broker.plugin.BrokerPlugin"}
         ],
         "queues": ["airflow_broker.triggers.queues.BrokerMessageQueueProvider"],
         "db-managers": ["airflow_broker.dbmanager.BrokerDBManager"],
