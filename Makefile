@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint unit install install-dev postgres bench clean
+.PHONY: demo test lint unit install install-dev postgres browser bench clean
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -24,11 +24,16 @@ demo: install
 postgres: install-dev
 	$(BIN)/python tests/support/ensure_postgres.py
 
+# Installs Debian's chromium when /usr/bin/chromium is missing (the UI test drives it).
+browser: install-dev
+	$(BIN)/python tests/support/ensure_browser.py
+
 lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 test: install-dev postgres lint
+	$(BIN)/python tests/support/ensure_browser.py
 	$(BIN)/pytest -n 2 --dist loadgroup
 
 bench: install-dev postgres

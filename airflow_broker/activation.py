@@ -45,6 +45,7 @@ from airflow_broker import schema as s
 from airflow_broker.constants import STATUS_READY
 from airflow_broker.engines import aware, utcnow
 from airflow_broker.errors import InvalidDefinition, UnknownObject
+from airflow_broker.sampling import sample_step
 
 if TYPE_CHECKING:
     from airflow_broker.broker import Broker
@@ -822,12 +823,14 @@ def drain(
 def due_step(broker: Broker, every: float = 1.0) -> None:
     """Run the broker's due work (timers, lifetimes, dead readers) at most every ``every``
     seconds per :class:`Broker`: a monitor does it so that a timer on a queue nobody reads still
-    fires, and its DialogTimer message then activates a reader."""
+    fires, and its DialogTimer message then activates a reader. Monitors also keep the queue
+    depth history (:func:`airflow_broker.sampling.sample_step`, its own interval; never raises).
+    """
     now = time.monotonic()
-    if now < broker.next_due_work:
-        return
-    broker.next_due_work = now + every
-    broker.run_due()
+    if now >= broker.next_due_work:
+        broker.next_due_work = now + every
+        broker.run_due()
+    sample_step(broker)
 
 
 __all__ = [

@@ -148,6 +148,8 @@ class Broker:
         self._cache_lock = threading.Lock()
         #: monotonic time of the next due-work step RECEIVE should take (see Transaction)
         self.next_due_work = 0.0
+        #: monotonic time of this process's next queue-depth sampling look (see sampling)
+        self.next_depth_sample = 0.0
 
     @classmethod
     def connect(cls, url: str, *, resolver: Resolver | None = None, **engine_kwargs: Any) -> Broker:

@@ -4,6 +4,9 @@ The rest of the package imports Airflow names from here only. Supported: Airflow
 (tested on the newest 3.x). 3.1 moved ``BaseHook`` into the Task SDK (``airflow.sdk``); 3.0 had
 it in ``airflow.hooks.base``. Triggers still live in ``airflow.triggers.base``.
 
+Importing this module installs Airflow's Stats as the sink of the broker's metrics (when
+Airflow's metrics are on: :mod:`airflow_broker.airflow_metrics`).
+
 Importing this module imports Airflow: the engine (``airflow_broker`` outside ``hooks``,
 ``operators``, ``sensors``, ``triggers`` and ``plugin``) never does.
 """
@@ -73,6 +76,13 @@ _API_SERVER_NAMES: dict[str, tuple[str, str]] = {
     # The dependency behind Airflow's own GetUserDep: a bearer token, else the UI's cookie.
     "get_user": ("airflow.api_fastapi.core_api.security", "get_user"),
 }
+
+
+# -- metrics: the engine's metrics go to Airflow's Stats when Airflow's metrics are on --------
+# (every Airflow-facing module imports this one; see airflow_broker.airflow_metrics)
+from airflow_broker import airflow_metrics  # noqa: E402
+
+airflow_metrics.install()
 
 
 def __getattr__(name: str) -> Any:

@@ -12,6 +12,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection
 
+from airflow_broker import metrics
 from airflow_broker import schema as s
 from airflow_broker.constants import (
     POISON_THRESHOLD,
@@ -62,6 +63,7 @@ def record_rollbacks(conn: Connection, queue_ids: Iterable[int]) -> tuple[int, i
             )
             record_event(conn, "queue_disabled", row.name, detail)
             log.error(detail)
+            metrics.incr(metrics.QUEUES_DISABLED, 1, {"queue": row.name})
             disabled += 1
         else:
             log.warning(

@@ -5,7 +5,8 @@ module itself runs without Airflow, against either engine, and returns plain fro
 (:func:`to_json` turns them into JSON-ready dicts).
 
 Observation
-    :func:`overview`, :func:`queues` / :func:`queue`, :func:`services`, :func:`contracts`,
+    :func:`overview`, :func:`queues` / :func:`queue`, :func:`queue_depth_history` (samples
+    written by :mod:`airflow_broker.sampling`), :func:`services`, :func:`contracts`,
     :func:`conversation_states`, :func:`conversations` / :func:`conversation`,
     :func:`transmission_queue`, :func:`routes`, :func:`routing_services`,
     :func:`routing_mappings`, :func:`events`. Lists that grow with traffic (conversations, the
@@ -56,6 +57,7 @@ from airflow_broker.errors import (
 from airflow_broker.events import record_event
 from airflow_broker.examples import echo
 from airflow_broker.objects import BrokerEvent
+from airflow_broker.sampling import DepthSample, check_minutes, depth_samples
 
 if TYPE_CHECKING:
     from airflow_broker.broker import Broker
@@ -529,6 +531,26 @@ def queues(broker: Broker) -> list[QueueInfo]:
     """Every queue, by name: depth, oldest message, readers running, status, poison events."""
     with broker.engine.connect() as conn:
         return _queue_infos(conn)
+
+
+@dataclass(frozen=True, slots=True)
+class DepthHistory:
+    """A queue's depth samples from the last ``minutes`` minutes, oldest first."""
+
+    queue: str
+    minutes: int
+    samples: list[DepthSample]
+
+
+def queue_depth_history(
+    broker: Broker, name: str, minutes: int = 60, *, now: datetime | None = None
+) -> DepthHistory:
+    """The depth samples of queue ``name`` (:mod:`airflow_broker.sampling`) from the last
+    ``minutes`` minutes (1..:data:`~airflow_broker.sampling.MAX_HISTORY_MINUTES`)."""
+    check_minutes(minutes)
+    with broker.engine.connect() as conn:
+        queue_id = _queue_id(conn, name)
+    return DepthHistory(name, minutes, depth_samples(broker, queue_id, minutes, now=now))
 
 
 def _reader_state(r: Any) -> str:

@@ -462,3 +462,25 @@ activation_reader = Table(
         "or finished (outcome: drained, failed, refused, expired, lost)."
     ),
 )
+
+queue_sample = Table(
+    "broker_queue_sample",
+    metadata,
+    Column(
+        "queue_id",
+        Integer,
+        ForeignKey("broker_queue.queue_id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("sampled_at", Timestamp, nullable=False),
+    # Ready messages (what RECEIVE can take), as the queue list shows them.
+    Column("depth", Integer, nullable=False),
+    # "Samples of queue X in the last N minutes" is a range of this key.
+    PrimaryKeyConstraint("queue_id", "sampled_at"),
+    # The latest sample of any queue (at most one pass per interval), and retention's deletes.
+    Index("ix_broker_queue_sample_sampled_at", "sampled_at"),
+    comment=(
+        "Queue depth history: one row per queue and sampling pass (at most one pass per "
+        "interval across processes); rows older than the retention are deleted in batches."
+    ),
+)

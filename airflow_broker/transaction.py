@@ -20,7 +20,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection
 
-from airflow_broker import bulk, queries
+from airflow_broker import bulk, metrics, queries
 from airflow_broker import schema as s
 from airflow_broker.arguments import Handle, as_name, as_uuid
 from airflow_broker.constants import (
@@ -102,6 +102,10 @@ class Transaction:
         self._dirty = False
         self._done = False
         self._doomed: str | None = None
+        #: messages SENT, and RECEIVEd by queue name (only while metrics are on): counted by
+        #: the broker.messages_sent / broker.messages_received metrics when this commits
+        self._sent = 0
+        self._received: dict[str, int] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Transaction:
@@ -141,6 +145,10 @@ class Transaction:
         self._done = True
         adapter.close_leases(leases)
         conn.close()
+        if self._sent or self._received:
+            metrics.incr(metrics.MESSAGES_SENT, self._sent)
+            for name, n in self._received.items():
+                metrics.incr(metrics.MESSAGES_RECEIVED, n, {"queue": name})
 
     def rollback(self) -> None:
         """Roll back: received messages return to their queue; counts toward poison handling."""
@@ -337,6 +345,7 @@ class Transaction:
         payload = encode_body(body)
         now = utcnow()
         if self._send_fast(handle_list, message_type, payload, now):
+            self._sent += len(handle_list)
             return
         rows = {
             r.conversation_handle: r
@@ -399,6 +408,7 @@ class Transaction:
                 self._retain_sent(row, message_type, row.send_sequence, payload, code, now)
             delivery.route(row, message_type, row.send_sequence, payload, code, now)
         delivery.flush()
+        self._sent += len(handle_list)
 
     def _send_fast(
         self, handles: list[uuid.UUID], message_type: str, payload: bytes | None, now: datetime
@@ -525,6 +535,8 @@ class Transaction:
         if not rows:
             return []
         self._dirty = True
+        if metrics.enabled():
+            self._received[q.name] = self._received.get(q.name, 0) + len(rows)
         if q.poison_message_handling and lease is None:
             self._leases[q.queue_id] = adapter.open_lease(self.connection, q.queue_id, key)
         rows.sort(

@@ -52,7 +52,7 @@ from sqlalchemy import delete, insert, select, text, tuple_, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
-from airflow_broker import bulk, dynamic, routing
+from airflow_broker import bulk, dynamic, metrics, routing
 from airflow_broker import schema as s
 from airflow_broker.constants import (
     END_DIALOG,
@@ -91,6 +91,8 @@ MESSAGE, ACK, NOTICE = "M", "A", "E"
 
 #: Seconds to wait for a far database's server to answer a connection attempt.
 CONNECT_TIMEOUT = 5
+#: A delivery pass's count of messages no far broker took (not a DeliveryReport field).
+_UNREACHABLE = "unreachable"
 
 # ---------------------------------------------------------------------------------------------
 # What travels
@@ -1042,7 +1044,11 @@ class Transport:
                 budget -= n
         self._transit_pass(retry_now, counts)
         dynamic.answer_requests(self.b)
-        return DeliveryReport(**counts)
+        unreachable = counts.pop(_UNREACHABLE, 0)
+        report = DeliveryReport(**counts)
+        metrics.incr(metrics.TRANSPORT_FAILED, unreachable)
+        metrics.incr(metrics.DELIVERY_FAILED, report.failed)
+        return report
 
     def _transmission_batch(
         self, limit: int, retry_now: bool, counts: dict[str, int], after: list[Any]
@@ -1198,6 +1204,7 @@ class Transport:
         relay: list[Packet] = []
         for batch, outcome, failure in results:
             if outcome is None:
+                counts[_UNREACHABLE] += len(batch)  # the broker.transport_failed metric
                 waiting += [
                     (plan["packet_rows"][(p.conversation_id, p.seq)], failure) for p in batch
                 ]

@@ -16,6 +16,7 @@ import secrets
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from helpers import (
     receive,
     send,
 )
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 
 from airflow_broker import Broker
 from airflow_broker import monitoring as mon
@@ -57,6 +58,7 @@ GETS = [
     "/overview",
     "/queues",
     f"/queues/{SUPPLIER_QUEUE}",
+    f"/queues/{SUPPLIER_QUEUE}/depth-history",
     "/services",
     "/contracts",
     "/conversations/states",
@@ -376,6 +378,78 @@ def test_a_queue_name_with_slashes(
     assert get(api, airflow, "/queues/team%2Forders")["queue"]["status"] == "enabled"
 
 
+def test_queue_depth_history(airflow: Airflow, broker: Broker) -> None:
+    """Reading the queue list samples every queue (a fresh page has a point); the history is
+    the queue's samples of the last minutes, oldest first, on both engines."""
+    declare_pair(broker)
+    send(broker, begin(broker), NOTE, "a", "b")
+    now = datetime.now(UTC)
+    with broker.engine.begin() as conn:
+        qid = conn.execute(
+            select(s.queue.c.queue_id).where(s.queue.c.name == SUPPLIER_QUEUE)
+        ).scalar_one()
+        conn.execute(
+            insert(s.queue_sample),
+            [
+                {"queue_id": qid, "sampled_at": now - timedelta(minutes=m), "depth": m}
+                for m in (90, 40, 20)
+            ],
+        )
+    api = client_for(broker)
+    assert get(api, airflow, "/queues")  # samples now
+    history = get(api, airflow, f"/queues/{SUPPLIER_QUEUE}/depth-history")
+    assert (history["queue"], history["minutes"]) == (SUPPLIER_QUEUE, 60)
+    assert [p["depth"] for p in history["samples"]] == [40, 20, 2]
+    ats = [datetime.fromisoformat(p["at"]) for p in history["samples"]]
+    assert ats == sorted(ats) and all(a.tzinfo is not None for a in ats)
+    assert ats[-1] >= now
+    week = get(api, airflow, f"/queues/{SUPPLIER_QUEUE}/depth-history", params={"minutes": 10080})
+    assert [p["depth"] for p in week["samples"]] == [90, 40, 20, 2]
+    short = get(api, airflow, f"/queues/{SUPPLIER_QUEUE}/depth-history", params={"minutes": 1})
+    assert [p["depth"] for p in short["samples"]] == [2]
+    buyer = get(api, airflow, f"/queues/{BUYER_QUEUE}/depth-history")
+    assert [p["depth"] for p in buyer["samples"]] == [0]
+
+
+def test_depth_history_of_a_queue_name_with_slashes(
+    api: TestClient, airflow: Airflow, sqlite_broker: Broker
+) -> None:
+    sqlite_broker.create_queue("team/orders")
+    history = get(api, airflow, "/queues/team/orders/depth-history")
+    assert history["queue"] == "team/orders"
+    assert [p["depth"] for p in history["samples"]] == [0]
+
+
+@pytest.mark.parametrize("minutes", ["0", "-5", "10081", "1.5", "an hour", ""])
+def test_depth_history_refuses_bad_minutes(
+    api: TestClient, airflow: Airflow, sqlite_broker: Broker, minutes: str
+) -> None:
+    r = api.get(
+        f"/broker/api/queues/{SUPPLIER_QUEUE}/depth-history",
+        headers=airflow.headers(),
+        params={"minutes": minutes},
+    )
+    assert r.status_code == 422, r.text
+    [problem] = r.json()["detail"]
+    assert problem["loc"] == ["query", "minutes"]
+
+
+def test_reading_needs_read_access_to_dags(
+    api: TestClient, airflow: Airflow, sqlite_broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow.api_fastapi.app import get_auth_manager
+
+    monkeypatch.setattr(get_auth_manager(), "is_authorized_dag", lambda **kwargs: False)
+    before = snapshot(sqlite_broker)
+    for path in ("/queues", f"/queues/{SUPPLIER_QUEUE}/depth-history"):
+        r = api.get(f"/broker/api{path}", headers=airflow.headers("admin"))
+        assert r.status_code == 403, (path, r.text)
+        assert "reading needs read access to DAGs" in r.json()["detail"]
+    assert snapshot(sqlite_broker) == before
+    with sqlite_broker.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(s.queue_sample)).scalar_one() == 0
+
+
 # -- acting -----------------------------------------------------------------------------------
 
 
@@ -468,6 +542,8 @@ def test_an_echo_probe_round_trip(api: TestClient, airflow: Airflow, sqlite_brok
 def test_unknown_queue_is_404_naming_it(api: TestClient, airflow: Airflow) -> None:
     for method, path in (
         ("get", "/queues/NoSuchQueue"),
+        ("get", "/queues/NoSuchQueue/depth-history"),
+        ("get", "/queues/NoSuchQueue/depth-history?minutes=5"),
         ("post", "/queues/NoSuchQueue/enable"),
         ("get", "/conversations?queue=NoSuchQueue"),
         ("get", "/conversations/states?queue=NoSuchQueue"),
@@ -642,6 +718,8 @@ def test_openapi_lists_every_endpoint(api: TestClient) -> None:
     doc = api.get("/broker/api/openapi.json").json()
     paths = {p.removeprefix("/api") for p in doc["paths"]}
     assert {p.split("?")[0] for p in GETS if NO_SUCH not in p and PROBE not in p} - {
-        f"/queues/{SUPPLIER_QUEUE}"
+        f"/queues/{SUPPLIER_QUEUE}",
+        f"/queues/{SUPPLIER_QUEUE}/depth-history",
     } <= paths
     assert "/probes" in paths and "/queues/{queue}/enable" in paths
+    assert "/queues/{queue}/depth-history" in paths

@@ -1,9 +1,12 @@
-"""The Airflow plugin of airflow-broker: the broker's monitoring API in the Airflow API server.
+"""The Airflow plugin of airflow-broker: the broker's monitoring API and page in the Airflow
+API server.
 
 :class:`BrokerPlugin` mounts a FastAPI app at ``/broker`` (its JSON API under ``/broker/api``,
-see :mod:`airflow_broker.plugin.api`). It is registered twice over, as Airflow finds plugins:
-through the ``airflow.plugins`` entry point and in the provider info
-(:func:`airflow_broker.provider.get_provider_info`, ``plugins``).
+see :mod:`airflow_broker.plugin.api`; the broker page at ``/broker/ui/``, see
+:mod:`airflow_broker.plugin.ui`) and lists the page in the Airflow UI's navigation as an
+external view (Airflow 3.1+), shown inside the UI's frame at ``/plugin/service-broker``. It is
+registered twice over, as Airflow finds plugins: through the ``airflow.plugins`` entry point and
+in the provider info (:func:`airflow_broker.provider.get_provider_info`, ``plugins``).
 
 Every Airflow process loads plugins, the task runner included (for macros and listeners), so
 this module imports nothing heavy: the FastAPI app, and with it the API server's security
@@ -22,6 +25,21 @@ from airflow_broker.compat import AirflowPlugin
 URL_PREFIX = "/broker"
 #: The plugin's name (Airflow's plugin list, the provider info).
 PLUGIN_NAME = "airflow_broker"
+#: The broker page, as the browser asks for it.
+UI_HREF = f"{URL_PREFIX}/ui/"
+
+#: The page in the Airflow UI's navigation (``AirflowPlugin.external_views``, Airflow 3.1+;
+#: the keys of the API's ``ExternalViewResponse``). With ``url_route`` the UI shows the page in
+#: its own frame at ``/plugin/service-broker``; without a ``category`` it is a top-level item.
+EXTERNAL_VIEWS: list[dict[str, Any]] = [
+    {
+        "name": "Service Broker",
+        "href": UI_HREF,
+        "destination": "nav",
+        "url_route": "service-broker",
+        "icon": f"{URL_PREFIX}/ui/icon.svg",
+    }
+]
 
 
 @functools.cache
@@ -45,6 +63,8 @@ class BrokerPlugin(AirflowPlugin):
 
     name = PLUGIN_NAME
     fastapi_apps = _BuiltOnFirstUse()
+    # Copies: Airflow's plugin manager removes entries it refuses from the plugin's list.
+    external_views = [dict(view) for view in EXTERNAL_VIEWS]
 
 
-__all__ = ["PLUGIN_NAME", "URL_PREFIX", "BrokerPlugin", "fastapi_apps"]
+__all__ = ["EXTERNAL_VIEWS", "PLUGIN_NAME", "UI_HREF", "URL_PREFIX", "BrokerPlugin", "fastapi_apps"]

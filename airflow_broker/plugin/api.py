@@ -11,6 +11,8 @@ Reading (GET)::
     /api/overview                      identity, settings, counts
     /api/queues                        depth, oldest message, readers, status, poison events
     /api/queues/{queue}                one queue, its recent readers and poison events
+    /api/queues/{queue}/depth-history  the queue's depth samples, oldest first; ?minutes=60
+                                       (1..10080)
     /api/services                      services: queue, contracts, conversations
     /api/contracts                     contracts: message types, senders, validation, services
     /api/conversations/states          conversations counted by state (?queue=)
@@ -75,6 +77,8 @@ from airflow_broker.errors import (
 )
 from airflow_broker.examples.echo import DEFAULT_TIMEOUT_SECONDS
 from airflow_broker.plugin.security import Editor, require_read
+from airflow_broker.plugin.ui import mount_ui
+from airflow_broker.sampling import MAX_HISTORY_MINUTES, sample_step
 
 log = logging.getLogger("airflow_broker.plugin")
 
@@ -226,7 +230,33 @@ def create_app(*, broker_conn_id: str = DEFAULT_CONN_ID, broker: Broker | None =
 
     @api.get("/queues", summary="Every queue: depth, oldest message, readers, status, poison")
     def queues(broker: BrokerDep) -> Any:
+        sample_step(broker)  # a freshly opened page has a point of history (never raises)
         return _json(mon.queues(broker))
+
+    # Before /queues/{queue:path}, which would take "X/depth-history" for a queue's name.
+    @api.get(
+        "/queues/{queue:path}/depth-history",
+        summary="A queue's depth samples from the last minutes, oldest first",
+    )
+    def queue_depth_history(
+        broker: BrokerDep,
+        queue: QueueName,
+        minutes: Annotated[
+            int,
+            Query(
+                ge=1,
+                le=MAX_HISTORY_MINUTES,
+                description=f"how far back, in minutes (1..{MAX_HISTORY_MINUTES})",
+            ),
+        ] = 60,
+    ) -> Any:
+        sample_step(broker)
+        history = mon.queue_depth_history(broker, queue, minutes)
+        return {
+            "queue": history.queue,
+            "minutes": history.minutes,
+            "samples": [{"at": _json(p.at), "depth": p.depth} for p in history.samples],
+        }
 
     @api.get("/queues/{queue:path}", summary="One queue, its readers and poison events")
     def queue(broker: BrokerDep, queue: QueueName) -> Any:
@@ -395,6 +425,7 @@ def create_app(*, broker_conn_id: str = DEFAULT_CONN_ID, broker: Broker | None =
         )
 
     app.include_router(api)
+    mount_ui(app)  # the broker page at /ui/ (plugin/ui.py)
     return app
 
 

@@ -105,6 +105,8 @@ class AirflowStack:
             self.start_component(name)
 
     def start_component(self, name: str) -> None:
+        """Start ``airflow <name>``: one of :data:`COMPONENTS`, or ``standalone`` (all four in
+        one command, as a person tries Airflow out; its API server takes AIRFLOW__API__PORT)."""
         args = ["api-server", "--port", str(self.port)] if name == "api-server" else [name]
         log = (self.home / f"{name}.log").open("ab")
         self.procs[name] = subprocess.Popen(

@@ -1,0 +1,66 @@
+"""Make sure the browser the UI test drives is installed: Debian's chromium, /usr/bin/chromium.
+
+tests/test_ui_browser.py drives the broker page with Playwright, launched on this executable:
+Playwright's own browser download needs a host this project's machines do not reach. Like
+ensure_postgres.py, this runs before the tests (``make test``) and never lets them skip: it
+installs the ``chromium`` package with apt-get when the browser is missing, and exits non-zero
+saying why when it cannot.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def version() -> str | None:
+    """The browser's version line, or None when it does not run."""
+    if not CHROMIUM.exists():
+        return None
+    try:
+        done = subprocess.run(
+            [str(CHROMIUM), "--headless", "--no-sandbox", "--version"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [line for line in done.stdout.splitlines() if "chrom" in line.lower()]
+    return lines[-1].strip() if done.returncode == 0 and lines else None
+
+
+def install() -> None:
+    if shutil.which("apt-get") is None:
+        sys.exit(f"{CHROMIUM} is missing and there is no apt-get to install Debian's chromium with")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    print("+ apt-get install chromium", flush=True)
+    try:
+        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"],
+            check=True,
+            env=env,
+        )
+    except subprocess.CalledProcessError as exc:
+        sys.exit(f"installing Debian's chromium failed: {exc}")
+
+
+def main() -> None:
+    found = version()
+    if found is None:
+        print(f"{CHROMIUM} is missing or does not run; installing it", flush=True)
+        install()
+        found = version()
+    if found is None:
+        sys.exit(f"{CHROMIUM} does not run after installing Debian's chromium package")
+    print(f"browser: {found} at {CHROMIUM}")
+
+
+if __name__ == "__main__":
+    main()
