@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint unit install install-dev postgres browser bench clean
+.PHONY: demo test lint unit install install-dev postgres browser spark bench clean
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -28,12 +28,17 @@ postgres: install-dev
 browser: install-dev
 	$(BIN)/python tests/support/ensure_browser.py
 
+# Installs Java and Debian's JDBC drivers when missing (the Spark routing job's tests).
+spark: install-dev
+	$(BIN)/python tests/support/ensure_spark.py
+
 lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 test: install-dev postgres lint
 	$(BIN)/python tests/support/ensure_browser.py
+	$(BIN)/python tests/support/ensure_spark.py
 	$(BIN)/pytest -n 2 --dist loadgroup
 
 bench: install-dev postgres

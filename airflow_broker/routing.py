@@ -96,6 +96,55 @@ def live_routes(routes: Iterable[Route], now: datetime) -> list[Route]:
     return [r for r in routes if r.expires_at is None or r.expires_at > now]
 
 
+def match_candidates(
+    routes: Iterable[Route],
+    service_name: str,
+    broker_instance: str | None,
+    *,
+    now: datetime,
+    local_services: Sequence[str] = (),
+    dynamic_routing: bool = False,
+) -> list[Match]:
+    """Seed 001's seven matching steps, stopping at the first that matches, for every dialog to
+    ``service_name`` at once: one :class:`Match`, except at step 3 (several broker ids) where
+    there is one per distinct broker id, in the order :func:`pick_broker_instance` numbers them.
+    A dialog takes the candidate at :func:`dialog_bucket` of its id; the Spark job joins the
+    same list and picks with the same hash, so the rules live here only."""
+    live = live_routes(routes, now)
+    named = [r for r in live if r.service_name == service_name]
+    # 1. exact service name and broker instance
+    if broker_instance is not None:
+        found = [r for r in named if r.broker_instance == broker_instance]
+        if found:
+            return [Match(1, tuple(found), broker_instance)]
+    # 2. the service name among routes without a broker instance
+    found = [r for r in named if r.broker_instance is None]
+    if found:
+        return [Match(2, tuple(found), broker_instance)]
+    # 3. no broker instance asked: the name among routes with one; the dialog's hash picks one id
+    if broker_instance is None:
+        with_id = [r for r in named if r.broker_instance is not None]
+        if with_id:
+            distinct = sorted({r.broker_instance for r in with_id if r.broker_instance})
+            return [
+                Match(3, tuple(r for r in with_id if r.broker_instance == chosen), chosen)
+                for chosen in distinct
+            ]
+    # 4. a dynamic routing service answers later
+    if dynamic_routing:
+        return [Match(4, (), broker_instance, dynamic=True)]
+    # 5. the wildcard route (neither service name nor broker instance)
+    found = [r for r in live if r.service_name is None and r.broker_instance is None]
+    if found:
+        return [Match(5, tuple(found), broker_instance)]
+    # 6. a broker instance was asked and a service of that name is hosted here
+    if broker_instance is not None and service_name in local_services:
+        implied = Route(name="(local service)", service_name=service_name, address=LOCAL)
+        return [Match(6, (implied,), broker_instance)]
+    # 7. nothing: delayed
+    return [Match(7, (), broker_instance)]
+
+
 def match_routes(
     routes: Iterable[Route],
     service_name: str,
@@ -106,39 +155,16 @@ def match_routes(
     local_services: Sequence[str] = (),
     dynamic_routing: bool = False,
 ) -> Match:
-    """Seed 001's seven matching steps, stopping at the first that matches."""
-    live = live_routes(routes, now)
-    named = [r for r in live if r.service_name == service_name]
-    # 1. exact service name and broker instance
-    if broker_instance is not None:
-        found = [r for r in named if r.broker_instance == broker_instance]
-        if found:
-            return Match(1, tuple(found), broker_instance)
-    # 2. the service name among routes without a broker instance
-    found = [r for r in named if r.broker_instance is None]
-    if found:
-        return Match(2, tuple(found), broker_instance)
-    # 3. no broker instance asked: the name among routes with one; the dialog's hash picks one id
-    if broker_instance is None:
-        with_id = [r for r in named if r.broker_instance is not None]
-        if with_id:
-            chosen = pick_broker_instance(
-                dialog_id, (r.broker_instance for r in with_id if r.broker_instance)
-            )
-            return Match(3, tuple(r for r in with_id if r.broker_instance == chosen), chosen)
-    # 4. a dynamic routing service answers later
-    if dynamic_routing:
-        return Match(4, (), broker_instance, dynamic=True)
-    # 5. the wildcard route (neither service name nor broker instance)
-    found = [r for r in live if r.service_name is None and r.broker_instance is None]
-    if found:
-        return Match(5, tuple(found), broker_instance)
-    # 6. a broker instance was asked and a service of that name is hosted here
-    if broker_instance is not None and service_name in local_services:
-        implied = Route(name="(local service)", service_name=service_name, address=LOCAL)
-        return Match(6, (implied,), broker_instance)
-    # 7. nothing: delayed
-    return Match(7, (), broker_instance)
+    """Seed 001's seven matching steps for one dialog (see :func:`match_candidates`)."""
+    candidates = match_candidates(
+        routes,
+        service_name,
+        broker_instance,
+        now=now,
+        local_services=local_services,
+        dynamic_routing=dynamic_routing,
+    )
+    return candidates[dialog_bucket(dialog_id, len(candidates))]
 
 
 def transport_address(service_name: str) -> str | None:
@@ -227,3 +253,79 @@ def route_conversation(
         dynamic_routing=dynamic_routing,
     )
     return choose_routes(match, service_name, service_is_local=service_name in local_services)
+
+
+def delivery_choices(
+    routes: Iterable[Route],
+    service_name: str,
+    bound_instance: str | None,
+    *,
+    me: str,
+    now: datetime,
+    hosted: Sequence[str] = (),
+    dynamic_routing: bool = False,
+) -> list[Decision]:
+    """Where the delivery pass sends a waiting conversation to ``service_name`` whose far
+    broker instance is ``bound_instance`` (None until the first acknowledgment binds it), for
+    every dialog at once: one decision per :func:`match_candidates` candidate. A conversation
+    bound to this broker (``me``) is local whatever the routes say. The Python delivery path
+    takes ``choices[dialog_bucket(dialog_id, len(choices))]``; the Spark job the same."""
+    local_services = list(hosted) if bound_instance in (None, me) else []
+    matches = match_candidates(
+        list(routes),
+        service_name,
+        bound_instance,
+        now=now,
+        local_services=local_services,
+        dynamic_routing=dynamic_routing,
+    )
+    decisions = []
+    for match in matches:
+        decision = choose_routes(
+            match, service_name, service_is_local=service_name in local_services
+        )
+        if bound_instance == me and decision.kind != "local":
+            decision = Decision(
+                "local",
+                (LOCAL,),
+                me,
+                decision.step,
+                f"the conversation is bound to this broker instance ({me})",
+            )
+        decisions.append(decision)
+    return decisions
+
+
+def delivery_decision(
+    routes: Iterable[Route],
+    service_name: str,
+    bound_instance: str | None,
+    *,
+    dialog_id: uuid.UUID | str,
+    me: str,
+    now: datetime,
+    hosted: Sequence[str] = (),
+    dynamic_routing: bool = False,
+) -> Decision:
+    """:func:`delivery_choices` for one dialog."""
+    choices = delivery_choices(
+        routes,
+        service_name,
+        bound_instance,
+        me=me,
+        now=now,
+        hosted=hosted,
+        dynamic_routing=dynamic_routing,
+    )
+    return choices[dialog_bucket(dialog_id, len(choices))]
+
+
+def hops_exceeded(hops: int) -> bool:
+    """Seed 002: a forwarder discards a message it would pass on for more than
+    :data:`MAX_HOPS` hops."""
+    return hops + 1 > MAX_HOPS
+
+
+def lifetime_over(lifetime: datetime | None, now: datetime) -> bool:
+    """A message whose conversation's lifetime has passed is not delivered any more."""
+    return lifetime is not None and lifetime <= now

@@ -19,6 +19,7 @@ from sqlalchemy import (
     Boolean,
     Column,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -482,5 +483,34 @@ queue_sample = Table(
     comment=(
         "Queue depth history: one row per queue and sampling pass (at most one pass per "
         "interval across processes); rows older than the retention are deleted in batches."
+    ),
+)
+
+spark_staging = Table(
+    "broker_spark_staging",
+    metadata,
+    # One run of the Spark routing job (airflow_broker.spark.job) from one source broker.
+    Column("run_id", String(32), nullable=False),
+    Column("source_instance", String(36), nullable=False),
+    Column("source_handle", Uuid, nullable=False),
+    Column("conversation_id", Uuid, nullable=False),
+    Column("from_initiator", Boolean, nullable=False),
+    Column("from_service", NAME, nullable=False),
+    Column("to_service", NAME, nullable=False),
+    Column("to_broker_instance", String(36), nullable=True),
+    Column("contract", NAME, nullable=False),
+    Column("message_type", NAME, nullable=False),
+    Column("validation", String(1), nullable=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("message_body", LargeBinary, nullable=True),
+    Column("lifetime_epoch", Float, nullable=True),
+    Column("hops", Integer, nullable=False),
+    # No key: a Spark task that is retried may write its rows twice; the commit reads each
+    # (conversation, direction, sequence number) once.
+    Index("ix_broker_spark_staging_run", "run_id", "conversation_id", "from_initiator", "seq"),
+    Index("ix_broker_spark_staging_source", "source_instance", "run_id"),
+    comment=(
+        "Messages the Spark routing job wrote for this broker and has not committed yet: the "
+        "commit moves them into queues (exactly once, by sequence numbers) and deletes them."
     ),
 )

@@ -866,13 +866,12 @@ class Forwarder:
                 out.notes[idx[j]] = note
 
     def _discard_reason(self, p: Packet, now: datetime) -> str | None:
-        if p.hops + 1 > routing.MAX_HOPS:
+        if routing.hops_exceeded(p.hops):
             return (
                 f"{p.describe()} was forwarded {p.hops} times (more than {routing.MAX_HOPS} hops): "
                 "a routing loop?"
             )
-        lifetime = aware(p.lifetime)
-        if lifetime is not None and lifetime <= now:
+        if routing.lifetime_over(aware(p.lifetime), now):
             return f"{p.describe()} outlived its conversation's lifetime in transit"
         return None
 
@@ -1111,19 +1110,19 @@ class Transport:
         for handle, msgs in by_handle.items():
             first = msgs[0]
             asked = first.bound_instance
-            local_services = list(hosted) if asked in (None, me) else []
             service = first.to_service_name
-            decision = routing.route_conversation(
+            decision = routing.delivery_decision(
                 routes,
                 service,
                 asked,
                 dialog_id=first.conversation_id,
+                me=me,
                 now=now,
-                local_services=local_services,
+                hosted=list(hosted),
                 dynamic_routing=dynamic.present(routes, service, now)
                 and (service in missing or not dynamic.pending(conn, service, now)),
             )
-            if decision.kind == "local" or asked == me:
+            if decision.kind == "local":
                 local.append(handle)
                 continue
             if decision.kind == "delayed":

@@ -10,9 +10,12 @@ TEMPLATE``), which costs a few milliseconds instead of a migration.
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from sqlalchemy import create_engine, make_url, text
@@ -20,6 +23,9 @@ from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
 from airflow_broker import Broker
+
+if TYPE_CHECKING:
+    from transport_procs import Net
 
 POSTGRES_URL = os.environ.get(
     "BROKER_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -162,3 +168,91 @@ def pg_broker(pg_url: str) -> Iterator[Broker]:
 def make_pg_database(postgres_server: PostgresServer) -> Callable[..., str]:
     """Factory of further fresh PostgreSQL databases: ``make_pg_database(migrated=False)``."""
     return postgres_server.create_database
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[object]:
+    """One local SparkSession per test process, with Debian's JDBC drivers (required: the
+    README's `make test` installs them with tests/support/ensure_spark.py)."""
+    from pyspark.sql import SparkSession
+
+    from airflow_broker.spark.jdbc import DEBIAN_JARS
+
+    missing = [jar for jar in DEBIAN_JARS if not Path(jar).exists()]
+    if missing:
+        pytest.fail(
+            f"the JDBC drivers {missing} are missing: run tests/support/ensure_spark.py "
+            "(apt-get install libpostgresql-jdbc-java libxerial-sqlite-jdbc-java)"
+        )
+    # Python workers run this interpreter, the one airflow_broker is installed in.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("airflow-broker tests")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.default.parallelism", "2")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.jars", ",".join(DEBIAN_JARS))
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+# -- networks of broker databases (transport and Spark tests) --
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One migrated SQLite file; each test database is a copy with an instance id of its own
+    (a migration per database would cost more than most of these tests)."""
+    path = tmp_path_factory.mktemp("transport_template") / "template.db"
+    b = Broker.connect(f"sqlite:///{path}")
+    b.migrate()
+    b.dispose()
+    return path
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def new_db(
+    request: pytest.FixtureRequest, tmp_path: Path, sqlite_template: Path
+) -> Callable[[str], str]:
+    """Factory of fresh, migrated broker databases (SQLite files or PostgreSQL databases), each
+    its own broker instance: ``new_db(name) -> url``."""
+    if request.param == "postgres":
+        server = request.getfixturevalue("postgres_server")
+        return lambda name: server.create_database()
+
+    def make(name: str) -> str:
+        path = tmp_path / f"{name}.db"
+        shutil.copyfile(sqlite_template, path)
+        url = f"sqlite:///{path}"
+        engine = create_engine(url, poolclass=NullPool)
+        with engine.begin() as conn:
+            conn.execute(
+                text("UPDATE broker_instance SET instance_id = :id"), {"id": str(uuid.uuid4())}
+            )
+        engine.dispose()
+        return url
+
+    return make
+
+
+@pytest.fixture
+def network(new_db: Callable[[str], str]) -> Iterator[Callable[..., Net]]:
+    """``network("a", "b", unreachable=["g1"])``: a database per name, all connected with one
+    resolver in which the ``unreachable`` names lead to a server that does not answer."""
+    from transport_procs import connect_all
+
+    nets: list[Net] = []
+
+    def build(*names: str, unreachable: tuple[str, ...] = ()) -> Net:
+        net = connect_all({name: new_db(name) for name in names}, unreachable)
+        nets.append(net)
+        return net
+
+    yield build
+    for net in nets:
+        net.close()

@@ -24,20 +24,18 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import shutil
 import signal
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import transport_procs as tp
 from helpers import CONTRACT, INVOICE, NOTE, ORDER
-from sqlalchemy import create_engine, text, update
-from sqlalchemy.pool import NullPool
+from sqlalchemy import update
 from transport_procs import (
     INIT_QUEUE,
     INITIATOR,
@@ -46,7 +44,6 @@ from transport_procs import (
     Net,
     assert_exactly_once_in_order,
     by_conversation,
-    connect_all,
     conversation_ids,
     deliver_until_empty,
     drain_all,
@@ -81,58 +78,6 @@ Network = Callable[..., Net]
 
 
 # -- fixtures --
-
-
-@pytest.fixture(scope="session")
-def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One migrated SQLite file; each test database is a copy with an instance id of its own
-    (a migration per database would cost more than most of these tests)."""
-    path = tmp_path_factory.mktemp("transport_template") / "template.db"
-    b = Broker.connect(f"sqlite:///{path}")
-    b.migrate()
-    b.dispose()
-    return path
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def new_db(
-    request: pytest.FixtureRequest, tmp_path: Path, sqlite_template: Path
-) -> Callable[[str], str]:
-    """Factory of fresh, migrated broker databases (SQLite files or PostgreSQL databases), each
-    its own broker instance: ``new_db(name) -> url``."""
-    if request.param == "postgres":
-        server = request.getfixturevalue("postgres_server")
-        return lambda name: server.create_database()
-
-    def make(name: str) -> str:
-        path = tmp_path / f"{name}.db"
-        shutil.copyfile(sqlite_template, path)
-        url = f"sqlite:///{path}"
-        engine = create_engine(url, poolclass=NullPool)
-        with engine.begin() as conn:
-            conn.execute(
-                text("UPDATE broker_instance SET instance_id = :id"), {"id": str(uuid.uuid4())}
-            )
-        engine.dispose()
-        return url
-
-    return make
-
-
-@pytest.fixture
-def network(new_db: Callable[[str], str]) -> Iterator[Network]:
-    """``network("a", "b", unreachable=["g1"])``: a database per name, all connected with one
-    resolver in which the ``unreachable`` names lead to a server that does not answer."""
-    nets: list[Net] = []
-
-    def build(*names: str, unreachable: tuple[str, ...] = ()) -> Net:
-        net = connect_all({name: new_db(name) for name in names}, unreachable)
-        nets.append(net)
-        return net
-
-    yield build
-    for net in nets:
-        net.close()
 
 
 # -- seed 003: load balancing --

@@ -1,0 +1,348 @@
+"""The Spark routing job: route and deliver a broker's transmission queue in bulk.
+
+Run by ``spark-submit`` (this file is the application; :class:`SparkRoutingOperator` launches
+it), or in-process with :func:`run`. One run:
+
+1. reads the source broker's due transmission-queue rows in parallel (JDBC, split on the row
+   id), with what routing needs of each conversation's endpoint;
+2. plans every message with the pure transforms of :mod:`airflow_broker.spark.transforms`
+   (classification, forwarding rules, routing and load balancing, by the rules of
+   :mod:`airflow_broker.routing`);
+3. for each far broker: deletes what earlier dead runs left in its staging table, writes this
+   run's messages there (JDBC, batched), commits them into queues exactly once
+   (:func:`commit.commit`) and acknowledges them at the source (:func:`commit.acknowledge`);
+4. records why the others wait (no route, unreachable, not classified...), as the Python
+   delivery pass does, and leaves conversations to services hosted by the source itself to the
+   source's own delivery.
+
+Brokers are named, never given with a password on the command line: ``--source NAME`` and every
+``broker://NAME`` route address resolve through ``AIRFLOW_BROKER_ADDRESS_<NAME>`` (the URL, in
+the environment of spark-submit), as :func:`airflow_broker.transport.resolve` does.
+
+A run killed at any point and run again delivers every message once: see
+:mod:`airflow_broker.spark.commit`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import make_url
+
+from airflow_broker import dynamic, routing
+from airflow_broker import schema as s
+from airflow_broker.delivery import RETRY_BASE, hosted_services, routes_of
+from airflow_broker.engines import utcnow
+from airflow_broker.spark import commit, jdbc, transforms
+from airflow_broker.transport import Inbound, Unreachable, env_name, resolve
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+    from airflow_broker.broker import Broker
+
+log = logging.getLogger("airflow_broker")
+
+#: Set to ``NAME`` or ``NAME:SECONDS`` to pause the job at checkpoint NAME (crash tests kill it
+#: there); each checkpoint is printed as it is reached.
+PAUSE_ENV = "AIRFLOW_BROKER_SPARK_PAUSE_AT"
+#: The job's last line of output starts with this, then its report as JSON.
+REPORT_PREFIX = "AIRFLOW_BROKER_SPARK_REPORT "
+
+
+@dataclass
+class RunReport:
+    """What one run did, message counts by outcome."""
+
+    run_id: str
+    source_instance: str
+    read: int = 0
+    #: messages the far brokers committed into queues (duplicates of earlier runs not counted)
+    delivered: int = 0
+    #: transmission-queue rows removed at the source by acknowledgments
+    acknowledged: int = 0
+    #: messages through the general (Python) path at the far brokers
+    general: int = 0
+    #: messages still waiting, by outcome (delayed, unreachable, unclassified, held...)
+    waiting: dict[str, int] = field(default_factory=dict)
+    #: messages left to the source's own delivery (their service is hosted there)
+    local: int = 0
+    #: messages per far broker instance
+    targets: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def checkpoint(name: str) -> None:
+    """A point a crash test may kill the job at."""
+    print(f"checkpoint {name}", flush=True)
+    wanted, _, seconds = os.environ.get(PAUSE_ENV, "").partition(":")
+    if wanted == name:
+        time.sleep(float(seconds or 3600))
+
+
+def source_url(name: str) -> str:
+    """The URL of the broker ``--source`` names: ``AIRFLOW_BROKER_ADDRESS_<NAME>``, or a URL
+    itself when it carries no password."""
+    url = os.environ.get(env_name(name))
+    if url:
+        return url
+    if "://" in name:
+        if make_url(name).password:
+            raise SystemExit(
+                "refusing a broker URL with a password on the command line: put it in the "
+                "environment (AIRFLOW_BROKER_ADDRESS_<NAME>) and pass --source NAME"
+            )
+        return name
+    raise SystemExit(f"no broker named {name!r}: set {env_name(name)} to its URL")
+
+
+def _bounds(source: Broker, due_by: datetime | None) -> tuple[int, int] | None:
+    t = s.transmission_queue
+    stmt = select(func.min(t.c.id), func.max(t.c.id))
+    if due_by is not None:
+        stmt = stmt.where(t.c.next_attempt_at <= due_by)
+    with source.engine.connect() as conn:
+        low, high = conn.execute(stmt).one()
+    return None if low is None else (int(low), int(high))
+
+
+def _reachable(source: Broker, addresses: tuple[str, ...]) -> tuple[Broker | None, str]:
+    """The first address whose broker answers and is the principal (a mirror serves when the
+    principal does not), as :meth:`transport.Transport.push_any` tries them."""
+    failures: list[str] = []
+    for address in addresses:
+        try:
+            peer = resolve(source, address)
+            with peer.engine.connect() as conn:
+                settings = Inbound(peer)._settings(conn)
+            if not settings.principal:
+                raise Unreachable(f"broker instance {settings.instance_id} is not the principal")
+            return peer, address
+        except Exception as exc:
+            failures.append(f"cannot deliver to {address}: {str(exc).splitlines()[0]}")
+    return None, "; ".join(failures)
+
+
+def _native_uuid(column: Any, dialect: str) -> Any:
+    """A canonical UUID column in the text form a database's uuid columns take over JDBC."""
+    from pyspark.sql import functions as F
+
+    return F.regexp_replace(column, "-", "") if dialect == "sqlite" else column
+
+
+def _staging_rows(df: DataFrame, run_id: str, source_instance: str, dialect: str) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    return df.select(
+        F.lit(run_id).alias("run_id"),
+        F.lit(source_instance).alias("source_instance"),
+        _native_uuid(F.col("conversation_handle"), dialect).alias("source_handle"),
+        _native_uuid(F.col("conversation_id"), dialect).alias("conversation_id"),
+        F.col("is_initiator").alias("from_initiator"),
+        F.col("from_service_name").alias("from_service"),
+        F.col("to_service_name").alias("to_service"),
+        F.col("target_instance").alias("to_broker_instance"),
+        F.col("service_contract_name").alias("contract"),
+        F.col("message_type_name").alias("message_type"),
+        F.col("validation"),
+        F.col("message_sequence_number").alias("seq"),
+        F.col("message_body"),
+        F.col("lifetime_epoch"),
+        F.col("hops").cast("int").alias("hops"),
+    )
+
+
+def run(
+    source: Broker,
+    spark: SparkSession,
+    *,
+    classifier: str | None = None,
+    classify_service: str | None = None,
+    now: datetime | None = None,
+    retry_now: bool = False,
+    partitions: int | None = None,
+) -> RunReport:
+    """One run of the job from ``source`` (see the module's docstring)."""
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    started = time.monotonic()
+    now = now or utcnow()
+    run_id = uuid.uuid4().hex
+    with source.engine.connect() as conn:
+        me = source.instance_id_on(conn)
+        routes = routes_of(source, conn)
+        hosted = list(hosted_services(source, conn))
+    report = RunReport(run_id, me)
+    due_by = None if retry_now else now
+    parts = partitions or max(2, spark.sparkContext.defaultParallelism)
+    pending = jdbc.read_pending(
+        spark, source.engine.url, due_by=due_by, bounds=_bounds(source, due_by), partitions=parts
+    )
+    planned = transforms.plan(
+        pending,
+        routes=routes,
+        me=me,
+        now=now,
+        hosted=hosted,
+        dynamic=lambda service: dynamic.present(routes, service, now),
+        classifier=classifier,
+        classify_service=classify_service,
+    ).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        outcomes = {r[0]: int(r[1]) for r in planned.groupBy("outcome").count().collect()}
+        report.read = sum(outcomes.values())
+        report.local = outcomes.get("local", 0)
+        checkpoint("planned")
+        waiting: dict[uuid.UUID, str] = {}
+        counts: Counter[str] = Counter()
+        for row in (
+            planned.where(F.col("outcome").isin("delayed", "unclassified", "discard"))
+            .groupBy("conversation_handle", "outcome", "reason", "discard", "classified")
+            .count()
+            .collect()
+        ):
+            waiting[uuid.UUID(row.conversation_handle)] = _why(row, classify_service)
+            counts[row.outcome] += int(row["count"])
+        remote = planned.where(F.col("outcome") == "remote")
+        groups = {
+            tuple(r.addresses): int(r["count"])
+            for r in remote.groupBy("addresses").count().collect()
+        }
+        for addresses, n in sorted(groups.items()):
+            rows = remote.where(F.col("addresses") == F.array(*[F.lit(a) for a in addresses]))
+            target, failure = _reachable(source, addresses)
+            if target is None:
+                for r in rows.groupBy("conversation_handle").count().collect():
+                    waiting[uuid.UUID(r.conversation_handle)] = failure
+                    counts["unreachable"] += int(r["count"])
+                log.warning("%s", failure)
+                continue
+            far = _deliver(source, target, rows, report, run_id, me, waiting, counts)
+            report.targets[far] = report.targets.get(far, 0) + n
+        commit.record_waiting(source, waiting, retry_in=RETRY_BASE, now=now)
+        report.waiting = dict(counts)
+    finally:
+        planned.unpersist()
+    report.seconds = round(time.monotonic() - started, 3)
+    log.info("Spark routing run %s: %s", run_id, report)
+    return report
+
+
+def _why(row: Any, classify_service: str | None) -> str:
+    if row.outcome == "unclassified":
+        return (
+            f"the classifier named no service for the first message of this conversation to "
+            f"{classify_service!r} (it waits; fix the message or the classifier)"
+        )
+    if row.outcome == "discard":
+        if row.discard == "hops":
+            return f"forwarded more than {routing.MAX_HOPS} times: a routing loop?"
+        return "the conversation's lifetime is over: it is not delivered any more"
+    return f"{row.reason} (the conversation is delayed and retried)"
+
+
+def _deliver(
+    source: Broker,
+    target: Broker,
+    rows: DataFrame,
+    report: RunReport,
+    run_id: str,
+    me: str,
+    waiting: dict[uuid.UUID, str],
+    counts: Counter[str],
+) -> str:
+    """Stage, commit and acknowledge ``rows`` at ``target``; returns its instance id."""
+    from pyspark.sql import functions as F
+
+    commit.prepare(target, me, run_id)
+    staged = _staging_rows(rows, run_id, me, target.dialect)
+    jdbc.write_table(
+        staged,
+        target.engine.url,
+        s.spark_staging.name,
+        partitions=max(1, rows.sparkSession.sparkContext.defaultParallelism),
+    )
+    checkpoint("staged")
+    done = commit.commit(target, run_id, me)
+    checkpoint("committed")
+    classified = {
+        uuid.UUID(r[0]): r[1]
+        for r in rows.where(F.col("classified").isNotNull())
+        .select("conversation_handle", "classified")
+        .distinct()
+        .collect()
+    }
+    report.acknowledged += commit.acknowledge(source, done, classified=classified)
+    checkpoint("acknowledged")
+    report.delivered += done.inserted + sum(1 for a in done.answers if a.kind == "A")
+    report.general += done.general
+    for handle, why in done.waiting.items():
+        waiting[handle] = why
+        counts["held"] += 1
+    return done.far_instance
+
+
+# ---------------------------------------------------------------------------------------------
+# spark-submit
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="airflow_broker.spark.job",
+        description="Route and deliver a broker's transmission queue with Spark.",
+    )
+    p.add_argument(
+        "--source",
+        required=True,
+        help="the broker to deliver from: a name whose URL is in AIRFLOW_BROKER_ADDRESS_<NAME> "
+        "(or a URL without a password)",
+    )
+    p.add_argument("--classifier", help="sql:EXPR, json:$.path, xpath:/path or python:mod:name")
+    p.add_argument("--classify-service", help="the service whose new conversations it routes")
+    p.add_argument("--partitions", type=int, help="parallel JDBC reads (default: cores)")
+    p.add_argument("--retry-now", action="store_true", help="also rows not due yet")
+    p.add_argument("--master", help="Spark master when not set by spark-submit")
+    args = p.parse_args(argv)
+    if bool(args.classifier) != bool(args.classify_service):
+        p.error("--classifier and --classify-service go together")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from airflow_broker.broker import Broker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    source = Broker.connect(source_url(args.source))
+    spark = jdbc.session(master=args.master)
+    try:
+        report = run(
+            source,
+            spark,
+            classifier=args.classifier,
+            classify_service=args.classify_service,
+            retry_now=args.retry_now,
+            partitions=args.partitions,
+        )
+    finally:
+        spark.stop()
+        source.dispose()
+    print(REPORT_PREFIX + json.dumps(asdict(report), sort_keys=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""The Spark routing job against real broker databases (SQLite files and PostgreSQL), and its
+conformance with the Python delivery path on generated routes and messages."""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from pyspark.sql import SparkSession
+from transport_procs import (
+    TARGET,
+    TARGET_QUEUE,
+    Net,
+    assert_exactly_once_in_order,
+    by_conversation,
+    deliver_until_empty,
+    drain_all,
+    host_initiator,
+    host_target,
+    reply_to_all,
+    send_dialogs,
+    send_more,
+    two_way,
+)
+
+from airflow_broker import END_DIALOG, Broker, ddr, routing
+from airflow_broker.examples import sales
+from airflow_broker.routing import Route
+from airflow_broker.spark import job, transforms
+
+pytestmark = [pytest.mark.xdist_group("spark"), pytest.mark.timeout(600)]
+
+Network = Callable[..., Net]
+
+
+def state(broker: Broker, handle: uuid.UUID) -> str:
+    with broker.transaction() as tx:
+        return tx.conversation(handle).state
+
+
+# -- conformance ------------------------------------------------------------------------------
+
+SERVICES = ["//s/a", "//s/b", "//s/c", "broker://gw/svc", "//s/local"]
+IDS = [str(uuid.UUID(int=i)) for i in range(1, 5)]
+ME = IDS[0]
+NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
+
+
+def random_routes(rng: random.Random) -> list[Route]:
+    routes = []
+    for i in range(rng.randint(0, 9)):
+        service = rng.choice([*SERVICES, None])
+        instance = rng.choice([None, None, *IDS])
+        address = rng.choice(["LOCAL", "TRANSPORT", "broker://x", "broker://y", "broker://z"])
+        mirror = rng.choice([None, None, None, "broker://m"]) if address != "LOCAL" else None
+        expires = rng.choice([None, None, NOW - timedelta(seconds=1), NOW + timedelta(days=1)])
+        routes.append(Route(f"r{i}", service, instance, address, mirror, expires))
+    return routes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_spark_plan_decides_as_the_python_delivery_path(spark: SparkSession, seed: int) -> None:
+    """Generated routing tables and messages: every message's decision (kind, addresses in
+    order, target broker instance, matching step), load balancing included, is the Python
+    path's (:func:`routing.delivery_decision`, which Transport._plan calls)."""
+    rng = random.Random(seed)
+    routes = random_routes(rng)
+    hosted = rng.sample(SERVICES, rng.randint(0, 2))
+    dynamic = {s for s in SERVICES if rng.random() < 0.15}
+    rows = []
+    for i in range(400):
+        cid = uuid.UUID(int=rng.getrandbits(128))
+        rows.append(
+            (
+                i,
+                # SQLite's form (32 hex digits) half of the time
+                cid.hex if i % 2 else str(cid),
+                cid.hex if i % 2 else str(cid),
+                True,
+                "//from",
+                rng.choice(SERVICES),
+                rng.choice([None, None, None, *IDS]),
+                "DEFAULT",
+                "DEFAULT",
+                0,
+                "N",
+                None,
+                None,
+                0,
+            )
+        )
+    df = spark.createDataFrame(rows, transforms.pending_schema())
+    planned = transforms.plan(
+        df, routes=routes, me=ME, now=NOW, hosted=hosted, dynamic=lambda s: s in dynamic
+    )
+    got = {
+        r.id: (r.kind, tuple(r.addresses), r.target_instance, r.step)
+        for r in planned.select("id", "kind", "addresses", "target_instance", "step").collect()
+    }
+    assert len(got) == len(rows), "a message lost or doubled by the join"
+    kinds = set()
+    for r in rows:
+        d = routing.delivery_decision(
+            routes,
+            r[5],
+            r[6],
+            dialog_id=uuid.UUID(r[2]),
+            me=ME,
+            now=NOW,
+            hosted=hosted,
+            dynamic_routing=r[5] in dynamic,
+        )
+        expected = (d.kind, d.addresses, r[6] or d.broker_instance, d.step)
+        assert got[r[0]] == expected, f"message {r[0]} to {r[5]!r} bound to {r[6]}"
+        kinds.add(d.kind)
+    assert len(kinds) >= 2  # the generator reaches more than one outcome
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_classification_conforms_to_the_python_router(spark: SparkSession, seed: int) -> None:
+    """The json: classifier in Spark names the service the data-dependent routing service's
+    classifier names, for generated bodies (valid, invalid, nested, missing)."""
+    rng = random.Random(seed)
+    spec = "json:$.route.to"
+    bodies: list[bytes | None] = [None, b"not json", b"{}", b'{"route": 3}']
+    for _ in range(200):
+        doc: Any = {"route": {"to": rng.choice(["//s/a", "//s/b", "", 7, None, ["x"]])}}
+        if rng.random() < 0.2:
+            doc = {"other": doc}
+        bodies.append(json.dumps(doc).encode())
+    rows = [
+        (
+            i,
+            str(uuid.UUID(int=i + 1)),
+            str(uuid.UUID(int=i + 1)),
+            True,
+            "//f",
+            "//router",
+            None,
+            "DEFAULT",
+            "DEFAULT",
+            0,
+            "N",
+            body,
+            None,
+            0,
+        )
+        for i, body in enumerate(bodies)
+    ]
+    df = spark.createDataFrame(rows, transforms.pending_schema())
+    got = {r.id: r.classified for r in transforms.classify(df, spec, "//router").collect()}
+    classify = ddr.compile_classifier(spec)
+    for i, body in enumerate(bodies):
+        try:
+            expected: str | None = classify(body)
+        except ddr.NotClassified:
+            expected = None
+        assert got[i] == expected, f"body {body!r}"
+
+
+# -- the job against real databases -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("new_db", ["sqlite", "postgres"], indirect=True)
+def test_the_job_delivers_every_message_once_in_order_and_replies_come_back(
+    spark: SparkSession, network: Network
+) -> None:
+    net = network("a", "b")
+    two_way(net)
+    a, b = net["a"], net["b"]
+    counts = [1 + i % 7 for i in range(120)]
+    handles = send_dialogs(a, counts)
+    report = job.run(a, spark)
+    assert report.read == sum(counts)
+    assert report.delivered == sum(counts) and report.acknowledged == sum(counts)
+    assert report.general == 0 and report.waiting == {}
+    assert report.targets == {net.id("b"): sum(counts)}
+    assert a.transmission_queue() == []
+    got = by_conversation(b, drain_all(b, TARGET_QUEUE))
+    assert len(got) == len(handles)
+    # bodies {"n": k} for k < count, each once, in order (keyed by the receiving side)
+    expected = {conv: list(range(len(msgs))) for conv, msgs in got.items()}
+    assert sorted(len(v) for v in expected.values()) == sorted(counts)
+    assert_exactly_once_in_order(got, expected, "after the Spark job")
+    # More messages on the same dialogs: the far endpoints exist now (the other fast case).
+    send_more(a, handles[:30], 100, 3)
+    again = job.run(a, spark)
+    assert again.delivered == 90 and again.acknowledged == 90
+    more = by_conversation(b, drain_all(b, TARGET_QUEUE))
+    assert sorted(len(v) for v in more.values()) == [3] * 30
+    # A second run finds nothing; the conversations are bound to b, and b's replies travel
+    # back by the Python path.
+    assert job.run(a, spark).read == 0
+    reply_to_all(b, [m for ms in got.values() for m in ms], {"reply": 1})
+    deliver_until_empty(b)
+    assert len(drain_all(a, "initiator_q")) == len(handles)
+
+
+@pytest.mark.parametrize("new_db", ["sqlite"], indirect=True)
+def test_end_dialog_takes_the_general_path_and_ends_the_far_side(
+    spark: SparkSession, network: Network
+) -> None:
+    net = network("a", "b")
+    two_way(net)
+    a, b = net["a"], net["b"]
+    handles = send_dialogs(a, [2, 2, 2])
+    with a.transaction() as tx:
+        tx.end_conversation(handles[0])
+    report = job.run(a, spark)
+    assert report.read == 7 and report.acknowledged == 7
+    assert report.general == 3  # the ended dialog's messages, EndDialog included
+    msgs = drain_all(b, TARGET_QUEUE)
+    ended = [m for m in msgs if m.message_type_name == END_DIALOG]
+    assert len(ended) == 1 and len(msgs) == 7
+    with b.transaction() as tx:
+        assert tx.conversation(ended[0].conversation_handle).state == "DI"
+
+
+@pytest.mark.parametrize("new_db", ["sqlite"], indirect=True)
+def test_load_balancing_sends_each_dialog_where_the_python_path_would(
+    spark: SparkSession, network: Network
+) -> None:
+    """Seed 003: two brokers host the target service; routes with broker ids; the dialog id's
+    hash picks one, the same one :func:`routing.pick_broker_instance` picks."""
+    net = network("a", "b", "c")
+    a = net["a"]
+    host_initiator(a)
+    for name in ("b", "c"):
+        host_target(net[name])
+        a.create_route(f"to_{name}", TARGET, net.id(name), f"broker://{name}")
+    handles = send_dialogs(a, [2] * 60)
+    report = job.run(a, spark)
+    assert report.acknowledged == 120
+    with a.transaction() as tx:
+        cids = {h: tx.conversation(h).conversation_id for h in handles}
+    where: dict[uuid.UUID, str] = {}
+    for name in ("b", "c"):
+        for m in drain_all(net[name], TARGET_QUEUE):
+            with net[name].transaction() as tx:
+                where[tx.conversation(m.conversation_handle).conversation_id] = net.id(name)
+    assert len(where) == 60
+    ids = [net.id("b"), net.id("c")]
+    for cid in cids.values():
+        assert where[cid] == routing.pick_broker_instance(cid, ids)
+    assert set(where.values()) == set(ids)
+
+
+@pytest.mark.parametrize("new_db", ["sqlite"], indirect=True)
+def test_an_unreachable_broker_leaves_the_messages_waiting_with_the_reason(
+    spark: SparkSession, network: Network
+) -> None:
+    net = network("a", unreachable=("b",))
+    a = net["a"]
+    host_initiator(a)
+    a.create_route("ToTarget", TARGET, None, "broker://b")
+    send_dialogs(a, [1, 1])
+    report = job.run(a, spark)
+    assert report.waiting == {"unreachable": 2} and report.acknowledged == 0
+    rows = a.transmission_queue()
+    assert len(rows) == 2
+    assert all("cannot deliver to broker://b" in r.transmission_status for r in rows)
+    assert all(r.attempts == 1 for r in rows)
+
+
+@pytest.mark.parametrize("new_db", ["sqlite", "postgres"], indirect=True)
+@pytest.mark.parametrize(
+    "classifier",
+    [sales.REGION_SQL, "python:airflow_broker.examples.sales:region_service"],
+    ids=["sql", "python-udf"],
+)
+def test_sales_requests_are_classified_by_region_to_the_regional_brokers(
+    spark: SparkSession, network: Network, classifier: str
+) -> None:
+    """Seed 000 at volume: requests to //sales/Request go to //sales/<Region> in that region's
+    database; one with no region waits, saying why."""
+    net = network("hq", *(f"sales_{r}" for r in sales.REGIONS))
+    hq = net["hq"]
+    regions = {r: net[f"sales_{r}"] for r in sales.REGIONS}
+    sales.declare(hq, regions)
+    handles = sales.file_requests(hq, 90, per_conversation=2, seed=3)
+    with hq.transaction() as tx:
+        stray = tx.begin_dialog(sales.CLIENT, sales.REQUEST, contract=sales.CONTRACT)
+        tx.send(stray, message_type="//sales/SalesRequest", body={"quarter": "2026Q3"})
+    report = job.run(hq, spark, classifier=classifier, classify_service=sales.REQUEST)
+    assert report.acknowledged == 90 and report.waiting == {"unclassified": 1}
+    depths = sales.depths(regions)
+    assert sum(depths.values()) == 90 and all(depths.values()), depths
+    for region, broker in regions.items():
+        for m in drain_all(broker, sales.queue_of(region)):
+            assert m.service_name == sales.service_of(region)
+            assert m.json()["region"] == region
+    with hq.transaction() as tx:
+        far = {tx.conversation(h).far_service for h in handles}
+    assert far == {sales.service_of(r) for r in sales.REGIONS}
+    [waiting] = hq.transmission_queue()
+    assert "classifier named no service" in waiting.transmission_status
+
+
+def test_a_password_on_the_command_line_is_refused() -> None:
+    with pytest.raises(SystemExit, match="password"):
+        job.source_url("postgresql+psycopg://u:secret@db/x")
+
