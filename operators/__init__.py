@@ -3,7 +3,8 @@
 - :mod:`.dialog`: ``BeginDialogOperator``, ``SendOperator``, ``ReceiveOperator``,
   ``EndConversationOperator`` (and their base, ``BrokerOperator``);
 - :mod:`.declarations`: ``ApplyDeclarationsOperator`` (the ``airflow-broker apply`` YAML);
-- :mod:`.reader`: ``DrainQueueOperator`` (an activated reader: registers, drains, exits).
+- :mod:`.reader`: ``DrainQueueOperator`` (an activated reader: registers, drains, exits);
+- :mod:`.spark`: ``SparkRoutingOperator`` (the Spark routing job through spark-submit).
 
 The names are also importable from this package; each module loads on first use.
 """
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
         SendOperator,
     )
     from airflow_broker.operators.reader import DrainQueueOperator
+    from airflow_broker.operators.spark import SparkRoutingOperator
 
 _MODULES = {
     "ApplyDeclarationsOperator": "declarations",
@@ -32,6 +34,7 @@ _MODULES = {
     "EndConversationOperator": "dialog",
     "ReceiveOperator": "dialog",
     "SendOperator": "dialog",
+    "SparkRoutingOperator": "spark",
 }
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "EndConversationOperator",
     "ReceiveOperator",
     "SendOperator",
+    "SparkRoutingOperator",
 ]
 
 

@@ -1,0 +1,198 @@
+"""The Spark routing job against its floor and against the Python delivery path, on PostgreSQL.
+
+For each size (10^4, 10^5, 10^6 pending messages by default, in dialogs of 100 messages) a
+source broker with that backlog in its transmission queue and an empty far broker are cloned
+from templates, once per system, and each system moves the backlog:
+
+- ``spark job``: :func:`airflow_broker.spark.job.run` (read, plan, stage, commit, acknowledge);
+- ``plain copy``: a Spark JDBC read of the same rows written into a table of the far database,
+  nothing else: the floor of any Spark design;
+- ``python``: ``Broker.deliver()`` passes until the transmission queue is empty.
+
+The SparkSession is started (and warmed on a small run) before any timing, as a worker that
+runs the job has it; spark-submit's own start (about 10 s here) is a fixed cost on top.
+
+    python -m bench.spark_routing [--sizes 10000,100000,1000000] [--partitions 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+from pyspark.sql import SparkSession
+from sqlalchemy import text
+
+from airflow_broker import Broker
+from airflow_broker.spark import jdbc, job
+from airflow_broker.spark.jdbc import DEBIAN_JARS
+from bench._scratch import Database, ScratchServer
+
+SOURCE, TARGET = "//bench/Source", "//bench/Target"
+PER_DIALOG = 100
+
+COPY_TABLE = """
+CREATE TABLE bench_copy (
+    id bigint, conversation_handle text, conversation_id text, is_initiator boolean,
+    from_service_name text, to_service_name text, bound_instance text,
+    service_contract_name text, message_type_name text, message_sequence_number bigint,
+    validation text, message_body bytea, lifetime_epoch double precision, hops integer)
+"""
+
+
+def install_source(db: Database, size: int) -> None:
+    b = Broker.connect(db.sqlalchemy_url)
+    b.migrate()
+    with b.definitions() as d:
+        d.create_queue("source_q")
+        d.create_service(SOURCE, queue="source_q", contracts=["DEFAULT"])
+        d.create_route("to_target", TARGET, None, "broker://target")
+    dialogs = max(1, size // PER_DIALOG)
+    per_tx = 1000
+    for start in range(0, dialogs, per_tx):
+        n = min(per_tx, dialogs - start)
+        with b.transaction() as tx:
+            hs = [tx.begin_dialog(SOURCE, TARGET) for _ in range(n)]
+        for k in range(PER_DIALOG):
+            with b.transaction() as tx:
+                tx.send(hs, body=b'{"region": "east", "amount": 1234.5, "k": %d}' % k)
+    b.dispose()
+
+
+def install_target(db: Database) -> None:
+    b = Broker.connect(db.sqlalchemy_url)
+    b.migrate()
+    with b.definitions() as d:
+        d.create_queue("target_q")
+        d.create_service(TARGET, queue="target_q", contracts=["DEFAULT"])
+    with b.engine.begin() as conn:
+        conn.execute(text(COPY_TABLE))
+    b.dispose()
+
+
+def pending(db: Database) -> int:
+    b = Broker.connect(db.sqlalchemy_url)
+    with b.engine.connect() as conn:
+        n = conn.execute(text("SELECT count(*) FROM broker_transmission_queue")).scalar_one()
+    b.dispose()
+    return int(n)
+
+
+def spark_job(spark: SparkSession, partitions: int) -> Callable[[Database, Database], int]:
+    def go(src: Database, dst: Database) -> int:
+        source = Broker.connect(src.sqlalchemy_url, resolver={"target": dst.sqlalchemy_url})
+        report = job.run(source, spark, partitions=partitions)
+        source.dispose()
+        assert report.waiting == {}, report
+        return report.acknowledged
+
+    return go
+
+
+def plain_copy(spark: SparkSession, partitions: int) -> Callable[[Database, Database], int]:
+    def go(src: Database, dst: Database) -> int:
+        source = Broker.connect(src.sqlalchemy_url)
+        bounds = job._bounds(source, None)
+        df = jdbc.read_pending(
+            spark, source.engine.url, due_by=None, bounds=bounds, partitions=partitions
+        )
+        jdbc.write_table(df, dst.sqlalchemy_url, "bench_copy", partitions=partitions)
+        source.dispose()
+        target = Broker.connect(dst.sqlalchemy_url)
+        with target.engine.connect() as conn:
+            n = conn.execute(text("SELECT count(*) FROM bench_copy")).scalar_one()
+        target.dispose()
+        return int(n)
+
+    return go
+
+
+def python_path(src: Database, dst: Database) -> int:
+    source = Broker.connect(src.sqlalchemy_url, resolver={"target": dst.sqlalchemy_url})
+    moved = 0
+    while True:
+        report = source.deliver()
+        moved += report.acknowledged
+        if report.acknowledged == 0:
+            break
+    source.dispose()
+    return moved
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="10000,100000,1000000")
+    p.add_argument("--partitions", type=int, default=4)
+    args = p.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    server = ScratchServer()
+    server.check()
+    spark = (
+        SparkSession.builder.master("local[*]")
+        .appName("bench.spark_routing")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", str(args.partitions))
+        .config("spark.jars", ",".join(DEBIAN_JARS))
+        .config("spark.driver.memory", "4g")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    systems: dict[str, Callable[[Database, Database], int]] = {
+        "spark job": spark_job(spark, args.partitions),
+        "plain copy": plain_copy(spark, args.partitions),
+        "python": python_path,
+    }
+    results: dict[tuple[str, int], float] = {}
+    try:
+        tgt_tpl = server.template("target", install_target)
+        for size in [1000, *sizes]:
+            started = time.monotonic()
+            src_tpl = server.template(f"source{size}", lambda db, n=size: install_source(db, n))
+            warm = size == 1000
+            if not warm:
+                print(f"# {size:,} messages: backlog built in {time.monotonic() - started:.0f} s")
+            for name, system in systems.items():
+                src = server.create(src_tpl, "src", name, str(size))
+                dst = server.create(tgt_tpl, "dst", name, str(size))
+                n = pending(src)
+                t0 = time.perf_counter()
+                moved = system(src, dst)
+                seconds = time.perf_counter() - t0
+                assert moved == n, f"{name} moved {moved} of {n}"
+                if not warm:
+                    results[(name, size)] = n / seconds
+                    print(
+                        f"  {name:<11} {n:>9,} msgs {seconds:8.2f} s {n / seconds:>10,.0f} msgs/s"
+                    )
+                server.drop(src)
+                server.drop(dst)
+    finally:
+        server.drop_all()
+        spark.stop()
+    print()
+    print(
+        f"{'size':>10} {'spark job':>12} {'plain copy':>12} {'python':>12} "
+        f"{'job/copy':>9} {'job/python':>11} {'job us/msg':>11}"
+    )
+    for size in sizes:
+        j, c, py = (results[(n, size)] for n in ("spark job", "plain copy", "python"))
+        print(
+            f"{size:>10,} {j:>12,.0f} {c:>12,.0f} {py:>12,.0f} {j / c:>9.2f} {j / py:>11.2f} "
+            f"{1e6 / j:>11.1f}"
+        )
+    big, mid = sizes[-1], sizes[-2] if len(sizes) > 1 else sizes[-1]
+    j_big = results[("spark job", big)]
+    print(
+        f"target spark_job_vs_plain_copy_{big}: "
+        f"{j_big / results[('plain copy', big)]:.2f} (goal >= 0.5)"
+    )
+    print(f"target spark_job_vs_python_{big}: {j_big / results[('python', big)]:.2f} (goal >= 1.0)")
+    print(
+        f"target spark_job_cost_{mid}_over_{big}: "
+        f"{results[('spark job', mid)] / j_big:.2f} (goal <= 1.0: per-message cost not rising)"
+    )
+
+
+if __name__ == "__main__":
+    main()
