@@ -138,6 +138,7 @@ def test_dagbag_has_no_import_errors(tmp_path: Path, metadata_db: Path) -> None:
         "po_supplier_reader",
         "po_buyer_reader",
         "submit_purchase_order",
+        "sales_by_region",
         "cancel_purchase_order",
         "restock",
         "echo_setup",
