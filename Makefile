@@ -36,9 +36,8 @@ lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: install-dev postgres lint
-	$(BIN)/python tests/support/ensure_browser.py
-	$(BIN)/python tests/support/ensure_spark.py
+# What the tests talk to is installed and started first: PostgreSQL, chromium, Java + JDBC.
+test: install-dev postgres browser spark lint
 	$(BIN)/pytest -n 2 --dist loadgroup
 
 bench: install-dev postgres

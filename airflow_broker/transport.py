@@ -742,6 +742,18 @@ class _Taker:
         self.answers.append(p.answer(NOTICE, self.me, code, description))
 
 
+def apply_answers(
+    broker: Broker, conn: Connection, me: str, answers: Sequence[Packet]
+) -> tuple[int, int]:
+    """A sender applies what far brokers answered it, in the caller's transaction:
+    acknowledgments take messages out of the transmission queue (and bind the conversation to
+    the broker that answered first), Error notices fail the conversation. Returns the counts
+    of (acknowledgments, notices)."""
+    _Taker(broker, conn, me, [], {}).run(answers, list(range(len(answers))))
+    acks = sum(1 for a in answers if a.kind == ACK)
+    return acks, sum(1 for a in answers if a.kind == NOTICE)
+
+
 def _next_state(state: str, message_type: str) -> str:
     """The state an endpoint goes to when an EndDialog or Error arrives in order."""
     if message_type == END_DIALOG:
@@ -1221,13 +1233,10 @@ class Transport:
             for a in outcome.answers:
                 (answers_for_me if a.to_broker_instance == me else relay).append(a)
         if answers_for_me:
-            taker = _Taker(self.b, conn, me, [], {})
-            acks = [a for a in answers_for_me if a.kind == ACK]
-            notices = [a for a in answers_for_me if a.kind == NOTICE]
-            taker.run(answers_for_me, list(range(len(answers_for_me))))
-            counts["acknowledged"] += len(acks)
-            counts["delivered"] += len(acks)
-            counts["failed"] += len(notices)
+            acks, notices = apply_answers(self.b, conn, me, answers_for_me)
+            counts["acknowledged"] += acks
+            counts["delivered"] += acks
+            counts["failed"] += notices
         bulk.update_rows(
             conn,
             t,
@@ -1297,6 +1306,7 @@ __all__ = [
     "Packet",
     "Transport",
     "Unreachable",
+    "apply_answers",
     "env_name",
     "in_transit",
     "resolve",

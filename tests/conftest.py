@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from helpers import Recorder
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
@@ -31,6 +32,17 @@ POSTGRES_URL = os.environ.get(
     "BROKER_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
 TEMPLATE_DB = f"broker_test_template_{os.getpid()}"
+
+
+def new_instance_id(url: str) -> None:
+    """A copy of a migrated database becomes a broker instance of its own, as a fresh
+    migrate() makes it."""
+    engine = create_engine(url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE broker_instance SET instance_id = :id"), {"id": str(uuid.uuid4())}
+        )
+    engine.dispose()
 
 
 def _admin_url() -> URL:
@@ -103,13 +115,7 @@ class PostgresServer:
         self._created.append(dbname)
         url = self.url_for(dbname)
         if migrated and not copy_of:
-            # Each broker database is its own broker instance, as a fresh migrate() makes it.
-            engine = create_engine(url, poolclass=NullPool)
-            with engine.begin() as conn:
-                conn.execute(
-                    text("UPDATE broker_instance SET instance_id = :id"), {"id": str(uuid.uuid4())}
-                )
-            engine.dispose()
+            new_instance_id(url)
         return url
 
     def drop_all(self) -> None:
@@ -128,9 +134,7 @@ def postgres_server() -> Iterator[PostgresServer]:
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def broker_url(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> Iterator[str]:
+def broker_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A URL of a fresh, migrated broker database on each engine."""
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'broker.db'}"
@@ -229,12 +233,7 @@ def new_db(
         path = tmp_path / f"{name}.db"
         shutil.copyfile(sqlite_template, path)
         url = f"sqlite:///{path}"
-        engine = create_engine(url, poolclass=NullPool)
-        with engine.begin() as conn:
-            conn.execute(
-                text("UPDATE broker_instance SET instance_id = :id"), {"id": str(uuid.uuid4())}
-            )
-        engine.dispose()
+        new_instance_id(url)
         return url
 
     return make
@@ -256,3 +255,16 @@ def network(new_db: Callable[[str], str]) -> Iterator[Callable[..., Net]]:
     yield build
     for net in nets:
         net.close()
+
+
+@pytest.fixture
+def recorder() -> Iterator[Recorder]:
+    """A :class:`helpers.Recorder` as the metrics sink for one test."""
+    from airflow_broker import metrics
+
+    r = Recorder()
+    previous = metrics.install(r)
+    try:
+        yield r
+    finally:
+        metrics.install(previous)

@@ -129,3 +129,20 @@ def queue_rows(url: str, queue_name: str) -> list[tuple[int, str, bytes | None]]
             return [(int(r[0]), str(r[1]), r[2]) for r in conn.execute(query)]
     finally:
         engine.dispose()
+
+
+class Recorder:
+    """A metrics sink (:func:`airflow_broker.metrics.install`) that keeps what it is given; the
+    ``recorder`` fixture installs one for a test."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, float, dict[str, str] | None]] = []
+
+    def gauge(self, name: str, value: float, tags: dict[str, str] | None) -> None:
+        self.calls.append(("gauge", name, value, tags))
+
+    def incr(self, name: str, count: int, tags: dict[str, str] | None) -> None:
+        self.calls.append(("incr", name, count, tags))
+
+    def total(self, name: str) -> float:
+        return sum(c[2] for c in self.calls if c[0] == "incr" and c[1] == name)

@@ -11,7 +11,6 @@ import textwrap
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from helpers import (
     BUYER_QUEUE,
     NOTE,
     SUPPLIER_QUEUE,
+    Recorder,
     begin,
     declare_pair,
     receive,
@@ -30,32 +30,6 @@ from airflow_broker import Broker, metrics, sampling
 from airflow_broker.constants import DEFAULT, POISON_THRESHOLD
 
 TESTS = Path(__file__).parent
-
-
-class Recorder:
-    """A metrics sink that keeps what it is given."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, float, dict[str, str] | None]] = []
-
-    def gauge(self, name: str, value: float, tags: dict[str, str] | None) -> None:
-        self.calls.append(("gauge", name, value, tags))
-
-    def incr(self, name: str, count: int, tags: dict[str, str] | None) -> None:
-        self.calls.append(("incr", name, count, tags))
-
-    def total(self, name: str) -> float:
-        return sum(c[2] for c in self.calls if c[0] == "incr" and c[1] == name)
-
-
-@pytest.fixture
-def recorder() -> Iterator[Recorder]:
-    r = Recorder()
-    previous = metrics.install(r)
-    try:
-        yield r
-    finally:
-        metrics.install(previous)
 
 
 class Failed(Exception):

@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import BUYER_QUEUE, NOTE, SUPPLIER_QUEUE, begin, declare_pair, receive, send
+from helpers import (
+    BUYER_QUEUE,
+    NOTE,
+    SUPPLIER_QUEUE,
+    Recorder,
+    begin,
+    declare_pair,
+    receive,
+    send,
+)
 from sqlalchemy import event, func, insert, select
 
 from airflow_broker import Broker, metrics, sampling
@@ -40,29 +48,6 @@ def rows(broker: Broker) -> list[tuple[str, int]]:
 def count(broker: Broker) -> int:
     with broker.engine.connect() as conn:
         return int(conn.execute(select(func.count()).select_from(qs)).scalar_one())
-
-
-class Recorder:
-    """A metrics sink that keeps what it is given."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, float, dict[str, str] | None]] = []
-
-    def gauge(self, name: str, value: float, tags: dict[str, str] | None) -> None:
-        self.calls.append(("gauge", name, value, tags))
-
-    def incr(self, name: str, count: int, tags: dict[str, str] | None) -> None:
-        self.calls.append(("incr", name, count, tags))
-
-
-@pytest.fixture
-def recorder() -> Iterator[Recorder]:
-    r = Recorder()
-    previous = metrics.install(r)
-    try:
-        yield r
-    finally:
-        metrics.install(previous)
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from transport_procs import (
 from airflow_broker import END_DIALOG, Broker, ddr, routing
 from airflow_broker.examples import sales
 from airflow_broker.routing import Route
-from airflow_broker.spark import job, transforms
+from airflow_broker.spark import jdbc, job, transforms
 
 pytestmark = [pytest.mark.xdist_group("spark"), pytest.mark.timeout(600)]
 
@@ -199,6 +199,25 @@ def test_the_job_delivers_every_message_once_in_order_and_replies_come_back(
     reply_to_all(b, [m for ms in got.values() for m in ms], {"reply": 1})
     deliver_until_empty(b)
     assert len(drain_all(a, "initiator_q")) == len(handles)
+
+
+@pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
+def test_the_transmission_queue_is_read_in_parallel_partitions(
+    spark: SparkSession, network: Network
+) -> None:
+    """JDBC reads split on the row id: four queries, every row once."""
+    net = network("a", "b")
+    two_way(net)
+    a = net["a"]
+    send_dialogs(a, [5] * 40)
+    bounds = job._bounds(a, None)
+    assert bounds is not None
+    df = jdbc.read_pending(spark, a.engine.url, due_by=None, bounds=bounds, partitions=4)
+    assert df.rdd.getNumPartitions() == 4
+    per_partition = df.rdd.mapPartitions(lambda rows: [sum(1 for _ in rows)]).collect()
+    assert len(per_partition) == 4 and all(per_partition), per_partition
+    ids = [r.id for r in df.select("id").collect()]
+    assert len(ids) == len(set(ids)) == 200
 
 
 @pytest.mark.parametrize("new_db", ["sqlite"], indirect=True)

@@ -69,7 +69,7 @@ from airflow_broker.constants import (
 from airflow_broker.delivery import contract_rule, hosted_services, priority_for
 from airflow_broker.engines import utcnow
 from airflow_broker.errors import BrokerError
-from airflow_broker.transport import MESSAGE, Inbound, Packet, _Taker
+from airflow_broker.transport import MESSAGE, Inbound, Packet, apply_answers
 from airflow_broker.validation import VALIDATION_CODES
 
 if TYPE_CHECKING:
@@ -181,32 +181,26 @@ def _fast(
     now = utcnow()
     done = Committed(me)
     this_run = st.c.run_id == run_id
+    # Constant per conversation and direction: grouped by, to come back in the rows.
+    per_conversation = (
+        st.c.conversation_id,
+        st.c.from_initiator,
+        st.c.source_handle,
+        st.c.from_service,
+        st.c.to_service,
+        st.c.to_broker_instance,
+        st.c.contract,
+        st.c.lifetime_epoch,
+    )
     conversations = conn.execute(
         select(
-            st.c.conversation_id,
-            st.c.from_initiator,
-            st.c.source_handle,
-            st.c.from_service,
-            st.c.to_service,
-            st.c.to_broker_instance,
-            st.c.contract,
-            st.c.lifetime_epoch,
+            *per_conversation,
             func.min(st.c.seq).label("min_seq"),
             func.max(st.c.seq).label("max_seq"),
             func.count(st.c.seq.distinct()).label("n"),
-            func.max(func.coalesce(st.c.hops, 0)).label("hops"),
         )
         .where(this_run)
-        .group_by(
-            st.c.conversation_id,
-            st.c.from_initiator,
-            st.c.source_handle,
-            st.c.from_service,
-            st.c.to_service,
-            st.c.to_broker_instance,
-            st.c.contract,
-            st.c.lifetime_epoch,
-        )
+        .group_by(*per_conversation)
     ).all()
     if not conversations:
         return done, []
@@ -496,8 +490,8 @@ def acknowledge(source: Broker, done: Committed, *, classified: dict[uuid.UUID, 
     """Apply a far broker's :func:`commit` at the source, in one transaction: messages below
     each acknowledged sequence number leave the transmission queue, the conversation is bound
     to the far broker instance (and, classified, to the service the classifier named), and the
-    general path's answers are applied as the Python delivery path applies them. Returns how
-    many transmission-queue rows left."""
+    general path's answers are applied as the Python delivery path applies them
+    (:func:`transport.apply_answers`). Returns how many transmission-queue rows left."""
     t, e = s.transmission_queue, s.conversation_endpoint
     removed = 0
     with source.engine.begin() as conn:
@@ -535,10 +529,8 @@ def acknowledge(source: Broker, done: Committed, *, classified: dict[uuid.UUID, 
         ]
         bulk.update_rows(conn, e, "conversation_handle", renamed)
         if done.answers:
-            before = conn.execute(select(func.count()).select_from(t)).scalar_one()
-            _Taker(source, conn, me, [], {}).run(done.answers, list(range(len(done.answers))))
-            after = conn.execute(select(func.count()).select_from(t)).scalar_one()
-            removed += before - after
+            acks, _notices = apply_answers(source, conn, me, done.answers)
+            removed += acks
     return removed
 
 

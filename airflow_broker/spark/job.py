@@ -187,9 +187,11 @@ def run(
     report = RunReport(run_id, me)
     due_by = None if retry_now else now
     parts = partitions or max(2, spark.sparkContext.defaultParallelism)
+    # Cached: planning reads it twice (the driver routes the distinct targets first), the
+    # source is read once.
     pending = jdbc.read_pending(
         spark, source.engine.url, due_by=due_by, bounds=_bounds(source, due_by), partitions=parts
-    )
+    ).persist(StorageLevel.MEMORY_AND_DISK)
     planned = transforms.plan(
         pending,
         routes=routes,
@@ -201,9 +203,16 @@ def run(
         classify_service=classify_service,
     ).persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        outcomes = {r[0]: int(r[1]) for r in planned.groupBy("outcome").count().collect()}
+        summary = planned.groupBy("outcome", "addresses").count().collect()
+        pending.unpersist()  # planned holds it all now
+        outcomes: Counter[str] = Counter()
+        groups: dict[tuple[str, ...], int] = {}
+        for r in summary:
+            outcomes[r.outcome] += int(r["count"])
+            if r.outcome == "remote":
+                groups[tuple(r.addresses)] = int(r["count"])
         report.read = sum(outcomes.values())
-        report.local = outcomes.get("local", 0)
+        report.local = outcomes["local"]
         checkpoint("planned")
         waiting: dict[uuid.UUID, str] = {}
         counts: Counter[str] = Counter()
@@ -216,10 +225,6 @@ def run(
             waiting[uuid.UUID(row.conversation_handle)] = _why(row, classify_service)
             counts[row.outcome] += int(row["count"])
         remote = planned.where(F.col("outcome") == "remote")
-        groups = {
-            tuple(r.addresses): int(r["count"])
-            for r in remote.groupBy("addresses").count().collect()
-        }
         for addresses, n in sorted(groups.items()):
             rows = remote.where(F.col("addresses") == F.array(*[F.lit(a) for a in addresses]))
             target, failure = _reachable(source, addresses)
@@ -234,6 +239,7 @@ def run(
         commit.record_waiting(source, waiting, retry_in=RETRY_BASE, now=now)
         report.waiting = dict(counts)
     finally:
+        pending.unpersist()
         planned.unpersist()
     report.seconds = round(time.monotonic() - started, 3)
     log.info("Spark routing run %s: %s", run_id, report)

@@ -9,11 +9,11 @@ saying why when it cannot.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import apt_packages  # this folder: the scripts run from here
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -36,19 +36,7 @@ def version() -> str | None:
 
 
 def install() -> None:
-    if shutil.which("apt-get") is None:
-        sys.exit(f"{CHROMIUM} is missing and there is no apt-get to install Debian's chromium with")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    print("+ apt-get install chromium", flush=True)
-    try:
-        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-        subprocess.run(
-            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"],
-            check=True,
-            env=env,
-        )
-    except subprocess.CalledProcessError as exc:
-        sys.exit(f"installing Debian's chromium failed: {exc}")
+    apt_packages.install(["chromium"])
 
 
 def main() -> None:

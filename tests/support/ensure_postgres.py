@@ -10,12 +10,12 @@ failure ends with a non-zero exit and says why.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import apt_packages  # this folder: the scripts run from here
 import psycopg
 from sqlalchemy import make_url
 
@@ -50,12 +50,7 @@ def clusters() -> list[str]:
 
 
 def install() -> None:
-    if shutil.which("apt-get") is None:
-        sys.exit("PostgreSQL is not installed and there is no apt-get to install it with")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    print("+ apt-get install postgresql", flush=True)
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "postgresql"], check=True, env=env)
+    apt_packages.install(["postgresql"], recommends=True)
 
 
 def trust_loopback(version: str) -> None:

@@ -10,52 +10,53 @@ non-zero saying why when it cannot.
 
 from __future__ import annotations
 
-import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import apt_packages  # this folder: the scripts run from here
 
 JARS = {
     "/usr/share/java/postgresql.jar": "libpostgresql-jdbc-java",
     "/usr/share/java/sqlite-jdbc.jar": "libxerial-sqlite-jdbc-java",
 }
 JAVA_PACKAGE = "openjdk-17-jre-headless"
+#: PySpark 4 runs on Java 17 and newer.
+MIN_JAVA = 17
+
+
+def java_version() -> tuple[int, str] | None:
+    """The major version and first line of ``java -version``, or None without a Java."""
+    if shutil.which("java") is None:
+        return None
+    done = subprocess.run(["java", "-version"], capture_output=True, text=True)
+    first = ((done.stderr or done.stdout).splitlines() or [""])[0]
+    found = re.search(r'version "(\d+)', first)
+    return (int(found.group(1)) if found else 0), first
 
 
 def missing() -> list[str]:
     packages = [pkg for jar, pkg in JARS.items() if not Path(jar).exists()]
-    if shutil.which("java") is None:
+    java = java_version()
+    if java is None or java[0] < MIN_JAVA:
         packages.append(JAVA_PACKAGE)
     return packages
-
-
-def install(packages: list[str]) -> None:
-    if shutil.which("apt-get") is None:
-        sys.exit(f"{', '.join(packages)} missing and there is no apt-get to install them with")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    print(f"+ apt-get install {' '.join(packages)}", flush=True)
-    try:
-        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-        subprocess.run(
-            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
-            check=True,
-            env=env,
-        )
-    except subprocess.CalledProcessError as exc:
-        sys.exit(f"installing {' '.join(packages)} failed: {exc}")
 
 
 def main() -> None:
     packages = missing()
     if packages:
-        install(packages)
+        apt_packages.install(packages)
     still = missing()
     if still:
-        sys.exit(f"still missing after apt-get: {', '.join(still)}")
-    java = subprocess.run(["java", "-version"], capture_output=True, text=True)
-    first = (java.stderr or java.stdout).splitlines()[:1]
-    print(f"Spark prerequisites: {first[0] if first else 'java'}; JDBC drivers {', '.join(JARS)}")
+        sys.exit(
+            f"still missing after apt-get: {', '.join(still)} (PySpark 4 needs Java "
+            f"{MIN_JAVA} or newer as `java` on PATH)"
+        )
+    java = java_version()
+    print(f"Spark prerequisites: {java and java[1]}; JDBC drivers {', '.join(JARS)}")
 
 
 if __name__ == "__main__":
