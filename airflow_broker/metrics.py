@@ -5,7 +5,7 @@ at once; code that must do work to compute a value (a query, a count) first asks
 :func:`enabled`. The Airflow-facing modules (hooks, operators, sensors, triggers, the plugin:
 everything that imports :mod:`airflow_broker.compat`) install Airflow's Stats as the sink when
 Airflow's metrics are on (``[metrics] statsd_on``, ``otel_on`` or ``statsd_datadog_enabled``),
-see :mod:`airflow_broker.airflow_stats`; anything else with ``gauge(name, value, tags)`` and
+see :mod:`airflow_broker.airflow_metrics`; anything else with ``gauge(name, value, tags)`` and
 ``incr(name, count, tags)`` methods can be installed with :func:`install`.
 
 Metrics (names before Airflow's ``statsd_prefix``):

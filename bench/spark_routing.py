@@ -85,6 +85,8 @@ def spark_job(spark: SparkSession, partitions: int) -> Callable[[Database, Datab
         report = job.run(source, spark, partitions=partitions)
         source.dispose()
         assert report.waiting == {}, report
+        phases = ", ".join(f"{k} {v:.2f} s" for k, v in report.phases.items())
+        print(f"    spark job phases: {phases}")
         return report.acknowledged
 
     return go

@@ -81,6 +81,23 @@ class RunReport:
     #: messages per far broker instance
     targets: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    #: seconds spent up to each checkpoint since the one before (summed over far brokers):
+    #: planned (read and plan), staged (JDBC write), committed, acknowledged
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class _Laps:
+    """Times the phases of a run into ``RunReport.phases`` and passes each checkpoint."""
+
+    def __init__(self, phases: dict[str, float]) -> None:
+        self.phases = phases
+        self.last = time.monotonic()
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases[name] = round(self.phases.get(name, 0.0) + now - self.last, 3)
+        self.last = now
+        checkpoint(name)
 
 
 def checkpoint(name: str) -> None:
@@ -185,6 +202,7 @@ def run(
         routes = routes_of(source, conn)
         hosted = list(hosted_services(source, conn))
     report = RunReport(run_id, me)
+    laps = _Laps(report.phases)
     due_by = None if retry_now else now
     parts = partitions or max(2, spark.sparkContext.defaultParallelism)
     # Cached: planning reads it twice (the driver routes the distinct targets first), the
@@ -213,7 +231,7 @@ def run(
                 groups[tuple(r.addresses)] = int(r["count"])
         report.read = sum(outcomes.values())
         report.local = outcomes["local"]
-        checkpoint("planned")
+        laps("planned")
         waiting: dict[uuid.UUID, str] = {}
         counts: Counter[str] = Counter()
         for row in (
@@ -234,7 +252,7 @@ def run(
                     counts["unreachable"] += int(r["count"])
                 log.warning("%s", failure)
                 continue
-            far = _deliver(source, target, rows, report, run_id, me, waiting, counts)
+            far = _deliver(source, target, rows, report, run_id, me, waiting, counts, laps)
             report.targets[far] = report.targets.get(far, 0) + n
         commit.record_waiting(source, waiting, retry_in=RETRY_BASE, now=now)
         report.waiting = dict(counts)
@@ -268,6 +286,7 @@ def _deliver(
     me: str,
     waiting: dict[uuid.UUID, str],
     counts: Counter[str],
+    laps: _Laps,
 ) -> str:
     """Stage, commit and acknowledge ``rows`` at ``target``; returns its instance id."""
     from pyspark.sql import functions as F
@@ -280,9 +299,9 @@ def _deliver(
         s.spark_staging.name,
         partitions=max(1, rows.sparkSession.sparkContext.defaultParallelism),
     )
-    checkpoint("staged")
+    laps("staged")
     done = commit.commit(target, run_id, me)
-    checkpoint("committed")
+    laps("committed")
     classified = {
         uuid.UUID(r[0]): r[1]
         for r in rows.where(F.col("classified").isNotNull())
@@ -291,7 +310,7 @@ def _deliver(
         .collect()
     }
     report.acknowledged += commit.acknowledge(source, done, classified=classified)
-    checkpoint("acknowledged")
+    laps("acknowledged")
     report.delivered += done.inserted + sum(1 for a in done.answers if a.kind == "A")
     report.general += done.general
     for handle, why in done.waiting.items():
