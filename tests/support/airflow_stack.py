@@ -71,6 +71,10 @@ class AirflowStack:
                 "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
                 "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
                 "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "1",
+                # A task's calls to the API server wait 5 s by default, then the supervisor
+                # kills the task: on two cores shared with Spark tests the server can be slower
+                # than that (seen once in CI: "httpx.ReadTimeout" before the task started).
+                "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "30",
                 "PYTHONUNBUFFERED": "1",
             }
         )
