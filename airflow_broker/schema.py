@@ -505,10 +505,12 @@ spark_staging = Table(
     Column("message_body", LargeBinary, nullable=True),
     Column("lifetime_epoch", Float, nullable=True),
     Column("hops", Integer, nullable=False),
-    # No key: a Spark task that is retried may write its rows twice; the commit reads each
-    # (conversation, direction, sequence number) once.
-    Index("ix_broker_spark_staging_run", "run_id", "conversation_id", "from_initiator", "seq"),
-    Index("ix_broker_spark_staging_source", "source_instance", "run_id"),
+    # Which of the commit's parallel transactions takes the row's conversation.
+    Column("part", SmallInteger, nullable=False, server_default=text("0")),
+    # No key and no index: every row is written once and read once, whole, by the commit; a
+    # Spark task that is retried may write its rows twice, and the commit notices. UNLOGGED: a
+    # server crash empties it, and the source still has the messages.
+    info={"unlogged": True},
     comment=(
         "Messages the Spark routing job wrote for this broker and has not committed yet: the "
         "commit moves them into queues (exactly once, by sequence numbers) and deletes them."

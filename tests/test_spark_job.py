@@ -220,7 +220,7 @@ def test_the_transmission_queue_is_read_in_parallel_partitions(
     assert len(ids) == len(set(ids)) == 200
 
 
-@pytest.mark.parametrize("new_db", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("new_db", ["sqlite", "postgres"], indirect=True)
 def test_end_dialog_takes_the_general_path_and_ends_the_far_side(
     spark: SparkSession, network: Network
 ) -> None:

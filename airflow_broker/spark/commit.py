@@ -16,7 +16,10 @@ fast (set-based)
     the common case: in-order messages of an ordinary message type (no validation, allowed to
     this side by the contract) on a conversation that is open here or new here with its first
     message. One ``INSERT ... SELECT`` moves them from the staging table into the queues, under
-    the lock of their endpoints, whatever their number.
+    the lock of their endpoints, whatever their number; on PostgreSQL several transactions do
+    so in parallel, each for the conversations of one ``part`` (the far database's cores share
+    the index maintenance). Each is atomic for its conversations: after a crash between them,
+    the next run's messages of the committed ones are duplicates by their sequence numbers.
 general
     everything else (EndDialog and Error, gaps, validation, a failed or foreign conversation, a
     service not hosted here, a routing service...) goes through :class:`transport.Inbound`, the
@@ -28,6 +31,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -93,6 +97,14 @@ _plan = Table(
     Column("priority", SmallInteger, nullable=False),
     Column("service_name", String(256), nullable=False),
     Column("recv", BigInteger, nullable=False),
+    prefixes=["TEMPORARY"],
+)
+#: The conversations the general path takes (a temporary table).
+_general_keys = Table(
+    "broker_spark_general_keys",
+    _scratch,
+    Column("conversation_id", Uuid, nullable=False),
+    Column("from_initiator", Boolean, nullable=False),
     prefixes=["TEMPORARY"],
 )
 #: Acknowledged conversations at the source (a temporary table).
@@ -161,26 +173,79 @@ def _scratch_table(conn: Connection, table: Table) -> None:
     table.create(conn)
 
 
-def commit(target: Broker, run_id: str, source_instance: str) -> Committed:
-    """Move the messages run ``run_id`` staged in ``target`` into its queues, exactly once."""
-    with target.engine.begin() as conn:
-        done, general_keys = _fast(target, conn, run_id, source_instance)
-    if general_keys:
-        _general(target, run_id, source_instance, general_keys, done)
+def commit(
+    target: Broker,
+    run_id: str,
+    source_instance: str,
+    *,
+    written: int | None = None,
+    parts: int = 1,
+) -> Committed:
+    """Move the messages run ``run_id`` staged in ``target`` into its queues, exactly once.
+
+    ``written`` is how many rows the run wrote (Spark counts each partition once, however
+    often its task ran): when the staging table holds more, a retried task wrote some twice
+    and the commit takes each sequence number once (a sort it otherwise skips). ``parts`` is
+    how many transactions commit in parallel (the run wrote each conversation's ``part``
+    below it); SQLite takes one writer, so one transaction there."""
     st = s.spark_staging
+    with target.engine.begin() as conn:
+        me = target.instance_id_on(conn)
+        hosted_services(target, conn)  # cached for the parts
+        if target.dialect == "postgresql":
+            # Just filled, never analyzed: without statistics the planner joins it to the
+            # commit plan by nested loops.
+            conn.execute(text(f"ANALYZE {st.name}"))
+        staged = conn.execute(
+            select(func.count()).select_from(st).where(st.c.run_id == run_id)
+        ).scalar_one()
+    dedup = written is None or staged != written
+    if dedup and written is not None:
+        log.info(
+            "run %s staged %d rows in %r for %d messages: a retried Spark task wrote some "
+            "twice; each is committed once",
+            run_id,
+            staged,
+            target,
+            written,
+        )
+
+    def one(part: int) -> tuple[Committed, list[tuple[uuid.UUID, bool]]]:
+        with target.engine.begin() as conn:
+            return _fast(target, conn, run_id, source_instance, part=part, dedup=dedup)
+
+    if target.dialect == "sqlite" or parts <= 1:
+        results = [one(part) for part in range(max(1, parts))]
+    else:
+        with ThreadPoolExecutor(parts, thread_name_prefix="broker-spark-commit") as pool:
+            results = list(pool.map(one, range(parts)))
+    done = Committed(me)
+    general_keys: list[tuple[uuid.UUID, bool]] = []
+    for part_done, keys in results:
+        done.acks += part_done.acks
+        done.inserted += part_done.inserted
+        general_keys += keys
+    if general_keys:
+        _general(target, run_id, source_instance, sorted(general_keys), done)
     with target.engine.begin() as conn:
         conn.execute(delete(st).where(st.c.run_id == run_id))
     return done
 
 
 def _fast(
-    target: Broker, conn: Connection, run_id: str, source_instance: str
+    target: Broker,
+    conn: Connection,
+    run_id: str,
+    source_instance: str,
+    *,
+    part: int,
+    dedup: bool,
 ) -> tuple[Committed, list[tuple[uuid.UUID, bool]]]:
     st, e, m = s.spark_staging, s.conversation_endpoint, s.message
     me = target.instance_id_on(conn)
     now = utcnow()
     done = Committed(me)
-    this_run = st.c.run_id == run_id
+    this_run = and_(st.c.run_id == run_id, st.c.part == part)
     # Constant per conversation and direction: grouped by, to come back in the rows.
     per_conversation = (
         st.c.conversation_id,
@@ -197,7 +262,8 @@ def _fast(
             *per_conversation,
             func.min(st.c.seq).label("min_seq"),
             func.max(st.c.seq).label("max_seq"),
-            func.count(st.c.seq.distinct()).label("n"),
+            # Without duplicates (``dedup`` false) a plain count says as much, without a sort.
+            func.count(st.c.seq.distinct() if dedup else st.c.seq).label("n"),
         )
         .where(this_run)
         .group_by(*per_conversation)
@@ -361,6 +427,8 @@ def _fast(
     if plan_rows:
         _scratch_table(conn, _plan)
         bulk.insert_rows(conn, _plan, plan_rows)
+        if target.dialect == "postgresql":
+            conn.execute(text(f"ANALYZE {_plan.name}"))
         p = _plan
         rows = (
             select(
@@ -387,10 +455,10 @@ def _fast(
             )
             .where(this_run, st.c.seq >= p.c.recv)
         )
-        # A retried Spark task may have staged a row twice: each sequence number once.
-        if target.dialect == "postgresql":
+        # A retried Spark task staged some rows twice: each sequence number once.
+        if dedup and target.dialect == "postgresql":
             rows = rows.distinct(st.c.conversation_id, st.c.from_initiator, st.c.seq)
-        else:
+        elif dedup:
             rows = rows.group_by(st.c.conversation_id, st.c.from_initiator, st.c.seq)
         conn.execute(
             insert(m).from_select(
@@ -437,35 +505,43 @@ def _general(
     st = s.spark_staging
     packets: dict[tuple[uuid.UUID, bool, int], Packet] = {}
     handles: dict[tuple[uuid.UUID, bool], uuid.UUID] = {}
-    with target.engine.connect() as conn:
-        for start in range(0, len(keys), 1000):
-            chunk = list(keys[start : start + 1000])
-            for r in conn.execute(
-                select(st)
-                .where(st.c.run_id == run_id)
-                .where(tuple_(st.c.conversation_id, st.c.from_initiator).in_(chunk))
-                .order_by(st.c.conversation_id, st.c.from_initiator, st.c.seq)
-            ):
-                handles[(r.conversation_id, r.from_initiator)] = r.source_handle
-                packets.setdefault(
-                    (r.conversation_id, r.from_initiator, r.seq),
-                    Packet(
-                        MESSAGE,
-                        r.conversation_id,
-                        r.from_initiator,
-                        r.from_service,
-                        source_instance,
-                        r.to_service,
-                        r.to_broker_instance,
-                        r.seq,
-                        contract=r.contract,
-                        message_type=r.message_type,
-                        validation=r.validation,
-                        body=r.message_body,
-                        lifetime=_time(r.lifetime_epoch),
-                        hops=r.hops,
-                    ),
-                )
+    k = _general_keys
+    with target.engine.begin() as conn:
+        _scratch_table(conn, k)
+        bulk.insert_rows(conn, k, [{"conversation_id": c, "from_initiator": f} for c, f in keys])
+        for r in conn.execute(
+            select(st)
+            .join(
+                k,
+                and_(
+                    k.c.conversation_id == st.c.conversation_id,
+                    k.c.from_initiator == st.c.from_initiator,
+                ),
+            )
+            .where(st.c.run_id == run_id)
+            .order_by(st.c.conversation_id, st.c.from_initiator, st.c.seq)
+        ):
+            handles[(r.conversation_id, r.from_initiator)] = r.source_handle
+            packets.setdefault(
+                (r.conversation_id, r.from_initiator, r.seq),
+                Packet(
+                    MESSAGE,
+                    r.conversation_id,
+                    r.from_initiator,
+                    r.from_service,
+                    source_instance,
+                    r.to_service,
+                    r.to_broker_instance,
+                    r.seq,
+                    contract=r.contract,
+                    message_type=r.message_type,
+                    validation=r.validation,
+                    body=r.message_body,
+                    lifetime=_time(r.lifetime_epoch),
+                    hops=r.hops,
+                ),
+            )
+        conn.execute(text(f"DROP TABLE {k.name}"))
     ordered = list(packets.values())
     done.general += len(ordered)
     inbound = Inbound(target)

@@ -10,6 +10,7 @@ JDBC drivers
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -171,10 +172,44 @@ def write_table(df: DataFrame, url: str | URL, table: str, *, partitions: int) -
     writer.save()
 
 
+def copy_table(df: DataFrame, url: str | URL, table: str) -> int:
+    """Append ``df`` to ``table`` of a PostgreSQL broker with ``COPY``, several times faster
+    than JDBC's batched INSERTs: each Spark partition streams its rows as CSV (Arrow batches,
+    formatted by pyarrow) into one ``COPY`` in one transaction, from the executor's Python
+    worker (psycopg, as the broker itself uses). Returns the rows written, each partition
+    counted once however often its task ran: more rows in ``table`` mean a task that committed
+    and then failed was run again."""
+    from pyspark import cloudpickle
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    from airflow_broker.spark import copy_partition
+
+    u = make_url(url) if isinstance(url, str) else url
+    if u.get_backend_name() != "postgresql":
+        raise ValueError(f"COPY is PostgreSQL's; {u.render_as_string()!r} is not PostgreSQL")
+    conninfo = u.set(drivername="postgresql").render_as_string(hide_password=False)
+    columns = []
+    for f in df.schema.fields:
+        column = F.col(f.name)
+        if isinstance(f.dataType, T.BinaryType):
+            column = F.concat(F.lit("\\x"), F.hex(column))  # bytea's hex input form
+        columns.append(column.alias(f.name))
+    statement = f"COPY {table} ({', '.join(df.columns)}) FROM STDIN (FORMAT csv)"
+    # Shipped by value: the executors need psycopg and pyarrow, not airflow_broker (whose
+    # import would cost each Python worker two seconds).
+    cloudpickle.register_pickle_by_value(copy_partition)
+    written = df.select(*columns).mapInArrow(
+        functools.partial(copy_partition.copy_partition, conninfo, statement), "rows long"
+    )
+    return sum(int(r.rows) for r in written.collect())
+
+
 __all__ = [
     "DEBIAN_JARS",
     "MAVEN_PACKAGES",
     "Jdbc",
+    "copy_table",
     "jdbc_of",
     "pending_query",
     "read_pending",

@@ -4,13 +4,15 @@ Run by ``spark-submit`` (this file is the application; :class:`SparkRoutingOpera
 it), or in-process with :func:`run`. One run:
 
 1. reads the source broker's due transmission-queue rows in parallel (JDBC, split on the row
-   id), with what routing needs of each conversation's endpoint;
-2. plans every message with the pure transforms of :mod:`airflow_broker.spark.transforms`
+   id), with what routing needs of each conversation's endpoint, into one row per
+   conversation (:func:`transforms.conversations`);
+2. plans every conversation with the pure transforms of :mod:`airflow_broker.spark.transforms`
    (classification, forwarding rules, routing and load balancing, by the rules of
    :mod:`airflow_broker.routing`);
-3. for each far broker: deletes what earlier dead runs left in its staging table, writes this
-   run's messages there (JDBC, batched), commits them into queues exactly once
-   (:func:`commit.commit`) and acknowledges them at the source (:func:`commit.acknowledge`);
+3. for each far broker: deletes what earlier dead runs left in its staging table, reads the
+   messages of its conversations again and writes them there (JDBC, batched), commits them
+   into queues exactly once (:func:`commit.commit`, in parallel transactions on PostgreSQL)
+   and acknowledges them at the source (:func:`commit.acknowledge`);
 4. records why the others wait (no route, unreachable, not classified...), as the Python
    delivery pass does, and leaves conversations to services hosted by the source itself to the
    source's own delivery.
@@ -57,6 +59,9 @@ log = logging.getLogger("airflow_broker")
 #: Set to ``NAME`` or ``NAME:SECONDS`` to pause the job at checkpoint NAME (crash tests kill it
 #: there); each checkpoint is printed as it is reached.
 PAUSE_ENV = "AIRFLOW_BROKER_SPARK_PAUSE_AT"
+#: Parallel transactions committing at a PostgreSQL far broker (``--commit-parallelism``): the
+#: insert into the queues is the far database's work, so its cores count, not Spark's.
+COMMIT_PARALLELISM = 2
 #: The job's last line of output starts with this, then its report as JSON.
 REPORT_PREFIX = "AIRFLOW_BROKER_SPARK_REPORT "
 
@@ -158,7 +163,9 @@ def _native_uuid(column: Any, dialect: str) -> Any:
     return F.regexp_replace(column, "-", "") if dialect == "sqlite" else column
 
 
-def _staging_rows(df: DataFrame, run_id: str, source_instance: str, dialect: str) -> DataFrame:
+def _staging_rows(
+    df: DataFrame, run_id: str, source_instance: str, dialect: str, parts: int
+) -> DataFrame:
     from pyspark.sql import functions as F
 
     return df.select(
@@ -177,6 +184,8 @@ def _staging_rows(df: DataFrame, run_id: str, source_instance: str, dialect: str
         F.col("message_body"),
         F.col("lifetime_epoch"),
         F.col("hops").cast("int").alias("hops"),
+        # Both directions of a conversation in the same part of the commit.
+        F.pmod(F.hash("conversation_id"), F.lit(parts)).cast("short").alias("part"),
     )
 
 
@@ -189,11 +198,15 @@ def run(
     now: datetime | None = None,
     retry_now: bool = False,
     partitions: int | None = None,
+    commit_parallelism: int = COMMIT_PARALLELISM,
 ) -> RunReport:
-    """One run of the job from ``source`` (see the module's docstring)."""
-    from pyspark import StorageLevel
+    """One run of the job from ``source`` (see the module's docstring). ``partitions``: the
+    parallel JDBC reads (default: Spark's parallelism); ``commit_parallelism``: the parallel
+    transactions of the commit at a PostgreSQL far broker."""
     from pyspark.sql import functions as F
 
+    if commit_parallelism < 1:
+        raise ValueError(f"commit_parallelism must be 1 or more, not {commit_parallelism}")
     started = time.monotonic()
     now = now or utcnow()
     run_id = uuid.uuid4().hex
@@ -205,13 +218,18 @@ def run(
     laps = _Laps(report.phases)
     due_by = None if retry_now else now
     parts = partitions or max(2, spark.sparkContext.defaultParallelism)
-    # Cached: planning reads it twice (the driver routes the distinct targets first), the
-    # source is read once.
+    # Read twice, never cached whole: once (without the bodies, unless a classifier reads
+    # them) into one row per conversation, which the plan is made on; then, streaming, once
+    # per far broker for the messages of its conversations.
     pending = jdbc.read_pending(
         spark, source.engine.url, due_by=due_by, bounds=_bounds(source, due_by), partitions=parts
-    ).persist(StorageLevel.MEMORY_AND_DISK)
-    planned = transforms.plan(
-        pending,
+    )
+    # One partition per read: a cached plan keeps its shuffles' partitioning (200 by default,
+    # mostly empty, each a task for every action on it).
+    conv = transforms.conversations(pending, with_body=classifier is not None)
+    conv = conv.coalesce(parts).persist()
+    planned = transforms.conversation_plan(
+        conv,
         routes=routes,
         me=me,
         now=now,
@@ -219,16 +237,16 @@ def run(
         dynamic=lambda service: dynamic.present(routes, service, now),
         classifier=classifier,
         classify_service=classify_service,
-    ).persist(StorageLevel.MEMORY_AND_DISK)
+    )
+    planned = planned.coalesce(parts).persist()
     try:
-        summary = planned.groupBy("outcome", "addresses").count().collect()
-        pending.unpersist()  # planned holds it all now
+        summary = planned.groupBy("outcome", "addresses").agg(F.sum("messages").alias("n"))
         outcomes: Counter[str] = Counter()
         groups: dict[tuple[str, ...], int] = {}
-        for r in summary:
-            outcomes[r.outcome] += int(r["count"])
+        for r in summary.collect():
+            outcomes[r.outcome] += int(r.n)
             if r.outcome == "remote":
-                groups[tuple(r.addresses)] = int(r["count"])
+                groups[tuple(r.addresses)] = int(r.n)
         report.read = sum(outcomes.values())
         report.local = outcomes["local"]
         laps("planned")
@@ -237,28 +255,44 @@ def run(
         for row in (
             planned.where(F.col("outcome").isin("delayed", "unclassified", "discard"))
             .groupBy("conversation_handle", "outcome", "reason", "discard", "classified")
-            .count()
+            .agg(F.sum("messages").alias("n"))
             .collect()
         ):
             waiting[uuid.UUID(row.conversation_handle)] = _why(row, classify_service)
-            counts[row.outcome] += int(row["count"])
+            counts[row.outcome] += int(row.n)
         remote = planned.where(F.col("outcome") == "remote")
         for addresses, n in sorted(groups.items()):
-            rows = remote.where(F.col("addresses") == F.array(*[F.lit(a) for a in addresses]))
+            chosen = remote.where(F.col("addresses") == F.array(*[F.lit(a) for a in addresses]))
             target, failure = _reachable(source, addresses)
             if target is None:
-                for r in rows.groupBy("conversation_handle").count().collect():
+                for r in (
+                    chosen.groupBy("conversation_handle")
+                    .agg(F.sum("messages").alias("n"))
+                    .collect()
+                ):
                     waiting[uuid.UUID(r.conversation_handle)] = failure
-                    counts["unreachable"] += int(r["count"])
+                    counts["unreachable"] += int(r.n)
                 log.warning("%s", failure)
                 continue
-            far = _deliver(source, target, rows, report, run_id, me, waiting, counts, laps)
+            far = _deliver(
+                source,
+                target,
+                pending,
+                chosen,
+                report,
+                run_id,
+                me,
+                waiting,
+                counts,
+                laps,
+                commit_parallelism,
+            )
             report.targets[far] = report.targets.get(far, 0) + n
         commit.record_waiting(source, waiting, retry_in=RETRY_BASE, now=now)
         report.waiting = dict(counts)
     finally:
-        pending.unpersist()
         planned.unpersist()
+        conv.unpersist()
     report.seconds = round(time.monotonic() - started, 3)
     log.info("Spark routing run %s: %s", run_id, report)
     return report
@@ -280,31 +314,42 @@ def _why(row: Any, classify_service: str | None) -> str:
 def _deliver(
     source: Broker,
     target: Broker,
-    rows: DataFrame,
+    pending: DataFrame,
+    chosen: DataFrame,
     report: RunReport,
     run_id: str,
     me: str,
     waiting: dict[uuid.UUID, str],
     counts: Counter[str],
     laps: _Laps,
+    commit_parallelism: int,
 ) -> str:
-    """Stage, commit and acknowledge ``rows`` at ``target``; returns its instance id."""
+    """Stage, commit and acknowledge at ``target`` the messages of ``pending`` whose
+    conversations are the ``chosen`` rows of the plan; returns its instance id."""
+    from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
     commit.prepare(target, me, run_id)
-    staged = _staging_rows(rows, run_id, me, target.dialect)
-    jdbc.write_table(
-        staged,
-        target.engine.url,
-        s.spark_staging.name,
-        partitions=max(1, rows.sparkSession.sparkContext.defaultParallelism),
-    )
+    rows = transforms.with_plan(pending, chosen)
+    parts = 1 if target.dialect == "sqlite" else commit_parallelism
+    staged = _staging_rows(rows, run_id, me, target.dialect, parts)
+    if target.dialect == "postgresql":
+        written = jdbc.copy_table(staged, target.engine.url, s.spark_staging.name)
+    else:
+        counted = Observation("staged")
+        jdbc.write_table(
+            staged.observe(counted, F.count(F.lit(1)).alias("rows")),
+            target.engine.url,
+            s.spark_staging.name,
+            partitions=1,
+        )
+        written = int(counted.get["rows"])
     laps("staged")
-    done = commit.commit(target, run_id, me)
+    done = commit.commit(target, run_id, me, written=written, parts=parts)
     laps("committed")
     classified = {
         uuid.UUID(r[0]): r[1]
-        for r in rows.where(F.col("classified").isNotNull())
+        for r in chosen.where(F.col("classified").isNotNull())
         .select("conversation_handle", "classified")
         .distinct()
         .collect()
@@ -338,9 +383,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--classifier", help="sql:EXPR, json:$.path, xpath:/path or python:mod:name")
     p.add_argument("--classify-service", help="the service whose new conversations it routes")
     p.add_argument("--partitions", type=int, help="parallel JDBC reads (default: cores)")
+    p.add_argument(
+        "--commit-parallelism",
+        type=int,
+        default=COMMIT_PARALLELISM,
+        help=f"parallel commit transactions at a PostgreSQL far broker (default "
+        f"{COMMIT_PARALLELISM})",
+    )
     p.add_argument("--retry-now", action="store_true", help="also rows not due yet")
     p.add_argument("--master", help="Spark master when not set by spark-submit")
     args = p.parse_args(argv)
+    if args.commit_parallelism < 1:
+        p.error("--commit-parallelism must be 1 or more")
     if bool(args.classifier) != bool(args.classify_service):
         p.error("--classifier and --classify-service go together")
     return args
@@ -361,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             classify_service=args.classify_service,
             retry_now=args.retry_now,
             partitions=args.partitions,
+            commit_parallelism=args.commit_parallelism,
         )
     finally:
         spark.stop()
