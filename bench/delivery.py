@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from bench import _delivery_floor as floor
-from bench._scratch import Database, ScratchServer
+from bench._scratch import Database, ScratchServer, quiesce
 
 if TYPE_CHECKING:
     from airflow_broker import Broker
@@ -128,13 +128,6 @@ def _run_sql(db: Database, *statements: str) -> None:
     with psycopg.connect(db.conninfo, autocommit=True) as conn:
         for statement in statements:
             conn.execute(statement)
-
-
-def _quiesce(*dbs: Database) -> None:
-    """VACUUM ANALYZE each database, then one CHECKPOINT: every timed part starts alike."""
-    for db in dbs:
-        _run_sql(db, "VACUUM ANALYZE")
-    _run_sql(dbs[0], "CHECKPOINT")
 
 
 def _count(conn: psycopg.Connection, query: str) -> int:
@@ -213,7 +206,7 @@ class Loaded:
         snap = floor.prepare(self.db_a, self.db_b)
         if snap != self.total:
             raise RuntimeError(f"snapshot holds {snap} rows, not {self.total}")
-        _quiesce(self.db_a, self.db_b)
+        quiesce(self.db_a, self.db_b)
 
 
 class Pair:
@@ -328,7 +321,7 @@ def run_round(
         methods = list(floor.METHODS) if index % 2 == 0 else list(reversed(floor.METHODS))
 
         def broker_part() -> None:
-            _quiesce(pair.db_a, pair.db_b)
+            quiesce(pair.db_a, pair.db_b)
             run, sums = pair.deliver(total, profile)
             results.add(BROKER, run)
             results.reports.append(sums)

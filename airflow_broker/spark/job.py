@@ -332,7 +332,13 @@ def _deliver(
     commit.prepare(target, me, run_id)
     rows = transforms.with_plan(pending, chosen)
     parts = 1 if target.dialect == "sqlite" else commit_parallelism
-    staged = _staging_rows(rows, run_id, me, target.dialect, parts)
+    # Each partition in conversation order: the commit's INSERT ... SELECT reads the staging
+    # table as written, and the queue table's two indexes that lead with a conversation's
+    # group or handle then take a conversation's messages on one leaf page, not each on a
+    # random one (10^6 messages in dialogs of 100: 10.5 s scattered, 5.6 s in order).
+    staged = _staging_rows(rows, run_id, me, target.dialect, parts).sortWithinPartitions(
+        "conversation_id", "from_initiator", "seq"
+    )
     if target.dialect == "postgresql":
         written = jdbc.copy_table(staged, target.engine.url, s.spark_staging.name)
     else:
