@@ -486,27 +486,45 @@ queue_sample = Table(
     ),
 )
 
-spark_staging = Table(
-    "broker_spark_staging",
+spark_staged_conversation = Table(
+    "broker_spark_staged_conversation",
     metadata,
     # One run of the Spark routing job (airflow_broker.spark.job) from one source broker.
     Column("run_id", String(32), nullable=False),
     Column("source_instance", String(36), nullable=False),
-    Column("source_handle", Uuid, nullable=False),
     Column("conversation_id", Uuid, nullable=False),
     Column("from_initiator", Boolean, nullable=False),
+    Column("source_handle", Uuid, nullable=False),
     Column("from_service", NAME, nullable=False),
     Column("to_service", NAME, nullable=False),
     Column("to_broker_instance", String(36), nullable=True),
     Column("contract", NAME, nullable=False),
-    Column("message_type", NAME, nullable=False),
-    Column("validation", String(1), nullable=False),
-    Column("seq", BigInteger, nullable=False),
-    Column("message_body", LargeBinary, nullable=True),
     Column("lifetime_epoch", Float, nullable=True),
     Column("hops", Integer, nullable=False),
-    # Which of the commit's parallel transactions takes the row's conversation.
-    Column("part", SmallInteger, nullable=False, server_default=text("0")),
+    # Which of the commit's parallel transactions takes the conversation.
+    Column("part", SmallInteger, nullable=False),
+    # Scratch, as broker_spark_staging: no key (a retried Spark task may write a row twice),
+    # no index, unlogged.
+    info={"unlogged": True},
+    comment=(
+        "What every staged message of a conversation shares (where it comes from, where it "
+        "goes, its contract and lifetime), once per conversation and direction and run."
+    ),
+)
+
+spark_staging = Table(
+    "broker_spark_staging",
+    metadata,
+    Column("run_id", String(32), nullable=False),
+    Column("conversation_id", Uuid, nullable=False),
+    Column("from_initiator", Boolean, nullable=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("message_type", NAME, nullable=False),
+    Column("validation", String(1), nullable=False),
+    Column("message_body", LargeBinary, nullable=True),
+    Column("part", SmallInteger, nullable=False),
+    # Only what differs from one message of a conversation to the next: the rest is in
+    # broker_spark_staged_conversation, written once per conversation (a third of the bytes).
     # No key and no index: every row is written once and read once, whole, by the commit; a
     # Spark task that is retried may write its rows twice, and the commit notices. UNLOGGED: a
     # server crash empties it, and the source still has the messages.

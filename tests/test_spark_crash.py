@@ -117,4 +117,5 @@ def test_killed_anywhere_and_run_again_every_message_arrives_once(
     from airflow_broker import schema as s
 
     with b.engine.connect() as conn:
-        assert conn.execute(select(func.count()).select_from(s.spark_staging)).scalar_one() == 0
+        for table in (s.spark_staging, s.spark_staged_conversation):
+            assert conn.execute(select(func.count()).select_from(table)).scalar_one() == 0

@@ -86,11 +86,9 @@ def test_copy_table_refuses_a_sqlite_url(spark: SparkSession, tmp_path: Any) -> 
         jdbc.copy_table(df, f"sqlite:///{tmp_path}/x.db", "t")
 
 
-def staged_rows(broker: Broker) -> int:
+def staged_rows(broker: Broker, table: sa.Table = s.spark_staging) -> int:
     with broker.engine.connect() as conn:
-        return int(
-            conn.execute(sa.select(sa.func.count()).select_from(s.spark_staging)).scalar_one()
-        )
+        return int(conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one())
 
 
 @pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
@@ -98,26 +96,32 @@ def test_rows_a_retried_task_staged_twice_are_committed_once(
     spark: SparkSession, network: Network, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every partition's COPY committed twice (a task that committed, failed and ran again),
-    counted once: the commit notices the surplus and takes each sequence number once."""
+    counted once: the commit notices the surplus and takes each sequence number once, and each
+    staged conversation once."""
     net = network("a", "b")
     two_way(net)
     a, b = net["a"], net["b"]
     counts = [1 + i % 6 for i in range(60)]
     send_dialogs(a, counts)
     copy_once = jdbc.copy_table
-    seen: list[int] = []
+    seen: dict[str, int] = {}
 
     def copy_twice(df: Any, url: Any, table: str) -> int:
         n = copy_once(df, url, table)
         copy_once(df, url, table)
-        seen.append(staged_rows(b))
+        seen[table] = staged_rows(b, s.metadata.tables[table])
         return n
 
     monkeypatch.setattr(jdbc, "copy_table", copy_twice)
     report = job.run(a, spark)
-    assert seen == [2 * sum(counts)]  # the staging table really held every row twice
+    # The staging tables really held every row twice.
+    assert seen == {
+        s.spark_staged_conversation.name: 2 * len(counts),
+        s.spark_staging.name: 2 * sum(counts),
+    }
     assert report.delivered == report.acknowledged == sum(counts)
     assert a.transmission_queue() == [] and staged_rows(b) == 0
+    assert staged_rows(b, s.spark_staged_conversation) == 0
     got = by_conversation(b, drain_all(b, TARGET_QUEUE))
     assert sorted(len(v) for v in got.values()) == sorted(counts)
     expected = {conv: list(range(len(msgs))) for conv, msgs in got.items()}
@@ -153,6 +157,7 @@ def test_a_crash_between_the_commits_parallel_transactions_loses_and_doubles_not
     assert report.acknowledged == sum(counts)
     assert report.delivered == sum(counts) - sum(len(v) for v in first.values())
     assert a.transmission_queue() == [] and staged_rows(b) == 0
+    assert staged_rows(b, s.spark_staged_conversation) == 0
     second = by_conversation(b, drain_all(b, TARGET_QUEUE))
     got: dict[Any, list[Any]] = {}
     for part in (first, second):

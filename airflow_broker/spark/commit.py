@@ -96,6 +96,7 @@ _plan = Table(
     Column("queue_id", Integer, nullable=False),
     Column("priority", SmallInteger, nullable=False),
     Column("service_name", String(256), nullable=False),
+    Column("contract", String(256), nullable=False),
     Column("recv", BigInteger, nullable=False),
     prefixes=["TEMPORARY"],
 )
@@ -152,12 +153,17 @@ def instance_of(broker: Broker) -> str:
 
 def prepare(target: Broker, source_instance: str, run_id: str) -> int:
     """Before a run stages into ``target``: delete what earlier runs from the same source left
-    there (they died before committing; their messages come again in this run)."""
-    st = s.spark_staging
+    there (they died before committing; their messages come again in this run). A run writes
+    its conversations before its messages, so its messages are found by its conversations."""
+    st, sc = s.spark_staging, s.spark_staged_conversation
+    dead = select(sc.c.run_id).where(
+        sc.c.source_instance == source_instance, sc.c.run_id != run_id
+    )
     with target.engine.begin() as conn:
-        gone = conn.execute(
-            delete(st).where(st.c.source_instance == source_instance, st.c.run_id != run_id)
-        ).rowcount
+        gone = conn.execute(delete(st).where(st.c.run_id.in_(dead))).rowcount
+        conn.execute(
+            delete(sc).where(sc.c.source_instance == source_instance, sc.c.run_id != run_id)
+        )
     if gone:
         log.info(
             "deleted %d staged rows that earlier runs from broker instance %s left in %r",
@@ -166,6 +172,26 @@ def prepare(target: Broker, source_instance: str, run_id: str) -> int:
             target,
         )
     return int(gone or 0)
+
+
+def _conversations(run_id: str, part: int | None) -> Any:
+    """The staged conversations of a run (of one part of its commit), each once: a retried
+    Spark task may have written some twice."""
+    sc = s.spark_staged_conversation
+    stmt = select(
+        sc.c.conversation_id,
+        sc.c.from_initiator,
+        sc.c.source_handle,
+        sc.c.from_service,
+        sc.c.to_service,
+        sc.c.to_broker_instance,
+        sc.c.contract,
+        sc.c.lifetime_epoch,
+        sc.c.hops,
+    ).where(sc.c.run_id == run_id)
+    if part is not None:
+        stmt = stmt.where(sc.c.part == part)
+    return stmt.distinct().subquery("conv")
 
 
 def _scratch_table(conn: Connection, table: Table) -> None:
@@ -196,6 +222,7 @@ def commit(
             # Just filled, never analyzed: without statistics the planner joins it to the
             # commit plan by nested loops.
             conn.execute(text(f"ANALYZE {st.name}"))
+            conn.execute(text(f"ANALYZE {s.spark_staged_conversation.name}"))
         staged = conn.execute(
             select(func.count()).select_from(st).where(st.c.run_id == run_id)
         ).scalar_one()
@@ -229,6 +256,8 @@ def commit(
         _general(target, run_id, source_instance, sorted(general_keys), done)
     with target.engine.begin() as conn:
         conn.execute(delete(st).where(st.c.run_id == run_id))
+        sc = s.spark_staged_conversation
+        conn.execute(delete(sc).where(sc.c.run_id == run_id))
     return done
 
 
@@ -246,27 +275,32 @@ def _fast(
     now = utcnow()
     done = Committed(me)
     this_run = and_(st.c.run_id == run_id, st.c.part == part)
-    # Constant per conversation and direction: grouped by, to come back in the rows.
-    per_conversation = (
-        st.c.conversation_id,
-        st.c.from_initiator,
-        st.c.source_handle,
-        st.c.from_service,
-        st.c.to_service,
-        st.c.to_broker_instance,
-        st.c.contract,
-        st.c.lifetime_epoch,
+    conv = _conversations(run_id, part)
+    on_conv = and_(
+        conv.c.conversation_id == st.c.conversation_id,
+        conv.c.from_initiator == st.c.from_initiator,
     )
-    conversations = conn.execute(
+    seqs = (
         select(
-            *per_conversation,
+            st.c.conversation_id,
+            st.c.from_initiator,
             func.min(st.c.seq).label("min_seq"),
             func.max(st.c.seq).label("max_seq"),
             # Without duplicates (``dedup`` false) a plain count says as much, without a sort.
             func.count(st.c.seq.distinct() if dedup else st.c.seq).label("n"),
         )
         .where(this_run)
-        .group_by(*per_conversation)
+        .group_by(st.c.conversation_id, st.c.from_initiator)
+        .subquery("seqs")
+    )
+    conversations = conn.execute(
+        select(conv, seqs.c.min_seq, seqs.c.max_seq, seqs.c.n).join(
+            seqs,
+            and_(
+                seqs.c.conversation_id == conv.c.conversation_id,
+                seqs.c.from_initiator == conv.c.from_initiator,
+            ),
+        )
     ).all()
     if not conversations:
         return done, []
@@ -274,7 +308,10 @@ def _fast(
     # under the contract, types validated here.
     general_types: set[tuple[str, bool, str]] = set()
     for contract, from_initiator, message_type in conn.execute(
-        select(st.c.contract, st.c.from_initiator, st.c.message_type).where(this_run).distinct()
+        select(conv.c.contract, st.c.from_initiator, st.c.message_type)
+        .join(conv, on_conv)
+        .where(this_run)
+        .distinct()
     ):
         if message_type in SYSTEM_MESSAGE_TYPES:
             general_types.add((contract, from_initiator, message_type))
@@ -293,9 +330,10 @@ def _fast(
             (r[0], r[1])
             for r in conn.execute(
                 select(st.c.conversation_id, st.c.from_initiator)
+                .join(conv, on_conv)
                 .where(this_run)
                 .where(
-                    tuple_(st.c.contract, st.c.from_initiator, st.c.message_type).in_(
+                    tuple_(conv.c.contract, st.c.from_initiator, st.c.message_type).in_(
                         sorted(general_types)
                     )
                 )
@@ -303,7 +341,7 @@ def _fast(
             )
         }
     # The endpoints here, locked (in handle order) until the messages are in.
-    staged_keys = select(st.c.conversation_id, not_(st.c.from_initiator)).where(this_run).distinct()
+    staged_keys = select(conv.c.conversation_id, not_(conv.c.from_initiator))
     lock = (
         select(e)
         .where(tuple_(e.c.conversation_id, e.c.is_initiator).in_(staged_keys))
@@ -384,6 +422,7 @@ def _fast(
                     "queue_id": svc.queue_id,
                     "priority": prio,
                     "service_name": c.to_service,
+                    "contract": c.contract,
                     "recv": 0,
                 }
             )
@@ -409,6 +448,7 @@ def _fast(
                     "queue_id": ep.queue_id,
                     "priority": ep.priority,
                     "service_name": ep.service_name,
+                    "contract": c.contract,
                     "recv": ep.receive_sequence,
                 }
             )
@@ -440,7 +480,7 @@ def _fast(
                 p.c.priority,
                 literal(PRECEDENCE_NORMAL, SmallInteger()),
                 p.c.service_name,
-                st.c.contract,
+                p.c.contract,
                 st.c.message_type,
                 literal(VALIDATION_CODES["none"], String(1)),
                 st.c.message_body,
@@ -457,7 +497,7 @@ def _fast(
         )
         # A retried Spark task staged some rows twice: each sequence number once.
         if dedup and target.dialect == "postgresql":
-            rows = rows.distinct(st.c.conversation_id, st.c.from_initiator, st.c.seq)
+            rows = _distinct_on(rows, st.c.conversation_id, st.c.from_initiator, st.c.seq)
         elif dedup:
             rows = rows.group_by(st.c.conversation_id, st.c.from_initiator, st.c.seq)
         conn.execute(
@@ -490,6 +530,16 @@ def _fast(
     return done, sorted(general)
 
 
+def _distinct_on(stmt: Any, *columns: Any) -> Any:
+    """PostgreSQL's ``SELECT DISTINCT ON (columns)``: an extension from SQLAlchemy 2.1 on,
+    ``distinct(*columns)`` (deprecated there) before."""
+    try:
+        from sqlalchemy.dialects.postgresql import distinct_on
+    except ImportError:  # SQLAlchemy 2.0
+        return stmt.distinct(*columns)
+    return stmt.ext(distinct_on(*columns))
+
+
 def _time(epoch: float | None) -> datetime | None:
     return None if epoch is None else datetime.fromtimestamp(epoch, UTC)
 
@@ -509,8 +559,22 @@ def _general(
     with target.engine.begin() as conn:
         _scratch_table(conn, k)
         bulk.insert_rows(conn, k, [{"conversation_id": c, "from_initiator": f} for c, f in keys])
+        conv = _conversations(run_id, None)
         for r in conn.execute(
-            select(st)
+            select(
+                st.c.seq,
+                st.c.message_type,
+                st.c.validation,
+                st.c.message_body,
+                *conv.c,
+            )
+            .join(
+                conv,
+                and_(
+                    conv.c.conversation_id == st.c.conversation_id,
+                    conv.c.from_initiator == st.c.from_initiator,
+                ),
+            )
             .join(
                 k,
                 and_(

@@ -163,30 +163,71 @@ def _native_uuid(column: Any, dialect: str) -> Any:
     return F.regexp_replace(column, "-", "") if dialect == "sqlite" else column
 
 
-def _staging_rows(
-    df: DataFrame, run_id: str, source_instance: str, dialect: str, parts: int
-) -> DataFrame:
+def _part(parts: int) -> Any:
     from pyspark.sql import functions as F
 
-    return df.select(
+    # Both directions of a conversation in the same part of the commit.
+    return F.pmod(F.hash("conversation_id"), F.lit(parts)).cast("short").alias("part")
+
+
+def _staged_conversations(
+    chosen: DataFrame, run_id: str, source_instance: str, dialect: str, parts: int
+) -> DataFrame:
+    """Rows of ``broker_spark_staged_conversation`` from the plan's rows (one a conversation)."""
+    from pyspark.sql import functions as F
+
+    return chosen.select(
         F.lit(run_id).alias("run_id"),
         F.lit(source_instance).alias("source_instance"),
-        _native_uuid(F.col("conversation_handle"), dialect).alias("source_handle"),
         _native_uuid(F.col("conversation_id"), dialect).alias("conversation_id"),
         F.col("is_initiator").alias("from_initiator"),
+        _native_uuid(F.col("conversation_handle"), dialect).alias("source_handle"),
         F.col("from_service_name").alias("from_service"),
         F.col("to_service_name").alias("to_service"),
         F.col("target_instance").alias("to_broker_instance"),
         F.col("service_contract_name").alias("contract"),
-        F.col("message_type_name").alias("message_type"),
-        F.col("validation"),
-        F.col("message_sequence_number").alias("seq"),
-        F.col("message_body"),
         F.col("lifetime_epoch"),
         F.col("hops").cast("int").alias("hops"),
-        # Both directions of a conversation in the same part of the commit.
-        F.pmod(F.hash("conversation_id"), F.lit(parts)).cast("short").alias("part"),
+        _part(parts),
     )
+
+
+def _staged_messages(df: DataFrame, run_id: str, dialect: str, parts: int) -> DataFrame:
+    """Rows of ``broker_spark_staging`` from planned messages (:func:`transforms.with_plan`),
+    each partition in conversation order: the commit's INSERT ... SELECT reads the staging
+    table as written, and the queue table's two indexes that lead with a conversation's group
+    or handle then take a conversation's messages on one leaf page, not each on a random one
+    (10^6 messages in dialogs of 100: 10.5 s scattered, 5.6 s in order)."""
+    from pyspark.sql import functions as F
+
+    return df.select(
+        F.lit(run_id).alias("run_id"),
+        _native_uuid(F.col("conversation_id"), dialect).alias("conversation_id"),
+        F.col("is_initiator").alias("from_initiator"),
+        F.col("message_sequence_number").alias("seq"),
+        F.col("message_type_name").alias("message_type"),
+        F.col("validation"),
+        F.col("message_body"),
+        _part(parts),
+    ).sortWithinPartitions("conversation_id", "from_initiator", "seq")
+
+
+def _write(df: DataFrame, target: Broker, table: str) -> int:
+    """Append ``df`` to ``table`` of ``target``: COPY from the executors on PostgreSQL, JDBC
+    (one writer) on SQLite. Returns the rows written, each partition counted once."""
+    from pyspark.sql import Observation
+    from pyspark.sql import functions as F
+
+    if target.dialect == "postgresql":
+        return jdbc.copy_table(df, target.engine.url, table)
+    counted = Observation(table)
+    jdbc.write_table(
+        df.observe(counted, F.count(F.lit(1)).alias("rows")),
+        target.engine.url,
+        table,
+        partitions=1,
+    )
+    return int(counted.get["rows"])
 
 
 def run(
@@ -326,30 +367,20 @@ def _deliver(
 ) -> str:
     """Stage, commit and acknowledge at ``target`` the messages of ``pending`` whose
     conversations are the ``chosen`` rows of the plan; returns its instance id."""
-    from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
     commit.prepare(target, me, run_id)
-    rows = transforms.with_plan(pending, chosen)
     parts = 1 if target.dialect == "sqlite" else commit_parallelism
-    # Each partition in conversation order: the commit's INSERT ... SELECT reads the staging
-    # table as written, and the queue table's two indexes that lead with a conversation's
-    # group or handle then take a conversation's messages on one leaf page, not each on a
-    # random one (10^6 messages in dialogs of 100: 10.5 s scattered, 5.6 s in order).
-    staged = _staging_rows(rows, run_id, me, target.dialect, parts).sortWithinPartitions(
-        "conversation_id", "from_initiator", "seq"
+    # Conversations first: prepare() finds a dead run's messages by its conversations.
+    _write(
+        _staged_conversations(chosen, run_id, me, target.dialect, parts),
+        target,
+        s.spark_staged_conversation.name,
     )
-    if target.dialect == "postgresql":
-        written = jdbc.copy_table(staged, target.engine.url, s.spark_staging.name)
-    else:
-        counted = Observation("staged")
-        jdbc.write_table(
-            staged.observe(counted, F.count(F.lit(1)).alias("rows")),
-            target.engine.url,
-            s.spark_staging.name,
-            partitions=1,
-        )
-        written = int(counted.get["rows"])
+    rows = transforms.with_plan(pending, chosen)
+    written = _write(
+        _staged_messages(rows, run_id, target.dialect, parts), target, s.spark_staging.name
+    )
     laps("staged")
     done = commit.commit(target, run_id, me, written=written, parts=parts)
     laps("committed")
