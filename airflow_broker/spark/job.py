@@ -9,8 +9,9 @@ it), or in-process with :func:`run`. One run:
 2. plans every conversation with the pure transforms of :mod:`airflow_broker.spark.transforms`
    (classification, forwarding rules, routing and load balancing, by the rules of
    :mod:`airflow_broker.routing`);
-3. for each far broker: deletes what earlier dead runs left in its staging table, reads the
-   messages of its conversations again and writes them there (JDBC, batched), commits them
+3. for each far broker: deletes what earlier dead runs left in its staging tables, writes
+   its conversations' plan there, reads their messages again and writes them there in
+   conversation order (COPY from the executors on PostgreSQL, JDBC on SQLite), commits them
    into queues exactly once (:func:`commit.commit`, in parallel transactions on PostgreSQL)
    and acknowledges them at the source (:func:`commit.acknowledge`);
 4. records why the others wait (no route, unreachable, not classified...), as the Python
