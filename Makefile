@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint unit install install-dev postgres browser spark bench clean
+.PHONY: demo demo-spark test lint unit install install-dev postgres browser spark bench clean
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ install-dev: $(BIN)/uv
 
 demo: install
 	$(BIN)/python -m airflow_broker.demo
+
+# Seed 000 at volume: the example DAG sales_by_region runs the Spark routing job (spark-submit on
+# local[*]) from `airflow dags test`, in a throwaway AIRFLOW_HOME on embedded SQLite stores.
+demo-spark: install-dev spark
+	$(BIN)/python -m airflow_broker.examples.sales_demo --dags-folder dags
 
 # Starts (or installs) PostgreSQL when none answers at BROKER_TEST_POSTGRES_URL.
 postgres: install-dev
