@@ -232,3 +232,92 @@ def test_route_joins_each_message_to_its_conversations_decision(spark: SparkSess
     assertDataFrameEqual(got, spark.createDataFrame(expected_rows, schema))
     # Both broker ids are used: the hash splits the dialogs.
     assert {r[3] for r in expected_rows[:n]} == {B1, B2}
+
+
+def test_conversations_summarize_each_conversation_by_sequence_number(
+    spark: SparkSession,
+) -> None:
+    """One row per conversation: its lowest row id, first and last sequence numbers, message
+    count and (for a classifier) the first message's body by sequence number, not by row id."""
+    a, b = (str(uuid.uuid5(uuid.NAMESPACE_URL, name)) for name in ("a", "b"))
+    df = pending(
+        spark,
+        [
+            {"conversation_id": a, "message_sequence_number": 5, "message_body": b"third"},
+            {"conversation_id": a, "message_sequence_number": 3, "message_body": b"first"},
+            {"conversation_id": b, "message_sequence_number": 0, "message_body": b"only"},
+            {"conversation_id": a, "message_sequence_number": 4, "message_body": b"second"},
+        ],
+    )
+    schema = T.StructType(
+        [
+            T.StructField("conversation_id", T.StringType(), False),
+            T.StructField("id", T.LongType(), True),
+            T.StructField("message_sequence_number", T.LongType(), True),
+            T.StructField("last_sequence", T.LongType(), True),
+            T.StructField("messages", T.LongType(), False),
+            T.StructField("message_body", T.BinaryType(), True),
+        ]
+    )
+    columns = [f.name for f in schema.fields]
+    got = transforms.conversations(df, with_body=True).select(*columns)
+    expected = [(a, 0, 3, 5, 3, bytearray(b"first")), (b, 2, 0, 0, 1, bytearray(b"only"))]
+    assertDataFrameEqual(got, spark.createDataFrame(expected, schema))
+    # Without a classifier the bodies stay where they are.
+    bare = transforms.conversations(df, with_body=False).select(*columns)
+    assertDataFrameEqual(bare, spark.createDataFrame([(*r[:5], None) for r in expected], schema))
+
+
+def test_with_plan_gives_each_message_its_conversations_decision(spark: SparkSession) -> None:
+    """Every message of a planned conversation gets its decision and canonical ids (SQLite's
+    32-digit form becomes dashed); messages of conversations not in the plan rows given are
+    left out (the job passes one far broker's rows at a time)."""
+    routes = [
+        Route("to b1", "//east", B1, "broker://b1"),
+        Route("to b2", "//west", B2, "broker://b2"),
+    ]
+    east, west = (uuid.uuid5(uuid.NAMESPACE_URL, name) for name in ("east", "west"))
+    df = pending(
+        spark,
+        [
+            *(
+                {
+                    "conversation_id": east.hex,
+                    "to_service_name": "//east",
+                    "message_sequence_number": n,
+                }
+                for n in range(3)
+            ),
+            {"conversation_id": str(west), "to_service_name": "//west"},
+        ],
+    )
+    planned = transforms.conversation_plan(
+        transforms.conversations(df, with_body=False), routes=routes, me=ME, now=NOW, hosted=[]
+    )
+    to_b1 = planned.where(F.col("target_instance") == B1)
+    got = transforms.with_plan(df, to_b1).select(
+        "id",
+        "conversation_id",
+        "conversation_handle",
+        "message_sequence_number",
+        "kind",
+        "addresses",
+        "target_instance",
+        "outcome",
+    )
+    schema = T.StructType(
+        [
+            T.StructField("id", T.LongType(), False),
+            T.StructField("conversation_id", T.StringType(), True),
+            T.StructField("conversation_handle", T.StringType(), True),
+            T.StructField("message_sequence_number", T.LongType(), False),
+            T.StructField("kind", T.StringType(), False),
+            T.StructField("addresses", T.ArrayType(T.StringType(), False), False),
+            T.StructField("target_instance", T.StringType(), True),
+            T.StructField("outcome", T.StringType(), True),
+        ]
+    )
+    expected = [
+        (n, str(east), str(east), n, "remote", ["broker://b1"], B1, "remote") for n in range(3)
+    ]
+    assertDataFrameEqual(got, spark.createDataFrame(expected, schema))

@@ -156,9 +156,7 @@ def prepare(target: Broker, source_instance: str, run_id: str) -> int:
     there (they died before committing; their messages come again in this run). A run writes
     its conversations before its messages, so its messages are found by its conversations."""
     st, sc = s.spark_staging, s.spark_staged_conversation
-    dead = select(sc.c.run_id).where(
-        sc.c.source_instance == source_instance, sc.c.run_id != run_id
-    )
+    dead = select(sc.c.run_id).where(sc.c.source_instance == source_instance, sc.c.run_id != run_id)
     with target.engine.begin() as conn:
         gone = conn.execute(delete(st).where(st.c.run_id.in_(dead))).rowcount
         conn.execute(
@@ -192,6 +190,13 @@ def _conversations(run_id: str, part: int | None) -> Any:
     if part is not None:
         stmt = stmt.where(sc.c.part == part)
     return stmt.distinct().subquery("conv")
+
+
+def _same_conversation(a: Any, b: Any) -> Any:
+    """Rows of ``a`` and ``b`` (tables or subqueries) about one conversation and direction."""
+    return and_(
+        a.c.conversation_id == b.c.conversation_id, a.c.from_initiator == b.c.from_initiator
+    )
 
 
 def _scratch_table(conn: Connection, table: Table) -> None:
@@ -276,10 +281,7 @@ def _fast(
     done = Committed(me)
     this_run = and_(st.c.run_id == run_id, st.c.part == part)
     conv = _conversations(run_id, part)
-    on_conv = and_(
-        conv.c.conversation_id == st.c.conversation_id,
-        conv.c.from_initiator == st.c.from_initiator,
-    )
+    on_conv = _same_conversation(conv, st)
     seqs = (
         select(
             st.c.conversation_id,
@@ -296,10 +298,7 @@ def _fast(
     conversations = conn.execute(
         select(conv, seqs.c.min_seq, seqs.c.max_seq, seqs.c.n).join(
             seqs,
-            and_(
-                seqs.c.conversation_id == conv.c.conversation_id,
-                seqs.c.from_initiator == conv.c.from_initiator,
-            ),
+            _same_conversation(seqs, conv),
         )
     ).all()
     if not conversations:
@@ -488,10 +487,7 @@ def _fast(
             )
             .join(
                 p,
-                and_(
-                    p.c.conversation_id == st.c.conversation_id,
-                    p.c.from_initiator == st.c.from_initiator,
-                ),
+                _same_conversation(p, st),
             )
             .where(this_run, st.c.seq >= p.c.recv)
         )
@@ -570,17 +566,11 @@ def _general(
             )
             .join(
                 conv,
-                and_(
-                    conv.c.conversation_id == st.c.conversation_id,
-                    conv.c.from_initiator == st.c.from_initiator,
-                ),
+                _same_conversation(conv, st),
             )
             .join(
                 k,
-                and_(
-                    k.c.conversation_id == st.c.conversation_id,
-                    k.c.from_initiator == st.c.from_initiator,
-                ),
+                _same_conversation(k, st),
             )
             .where(st.c.run_id == run_id)
             .order_by(st.c.conversation_id, st.c.from_initiator, st.c.seq)

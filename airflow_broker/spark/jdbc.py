@@ -173,12 +173,12 @@ def write_table(df: DataFrame, url: str | URL, table: str, *, partitions: int) -
 
 
 def copy_table(df: DataFrame, url: str | URL, table: str) -> int:
-    """Append ``df`` to ``table`` of a PostgreSQL broker with ``COPY``, several times faster
-    than JDBC's batched INSERTs: each Spark partition streams its rows as CSV (Arrow batches,
-    formatted by pyarrow) into one ``COPY`` in one transaction, from the executor's Python
-    worker (psycopg, as the broker itself uses). Returns the rows written, each partition
-    counted once however often its task ran: more rows in ``table`` mean a task that committed
-    and then failed was run again."""
+    """Append ``df`` to ``table`` of a PostgreSQL broker with ``COPY`` (no statement to bind
+    and plan per batch, as JDBC's INSERTs have): each Spark partition streams its rows as CSV
+    (Arrow batches, formatted by pyarrow) into one ``COPY`` in one transaction, from the
+    executor's Python worker (psycopg, as the broker itself uses). Returns the rows written,
+    each partition counted once however often its task ran: more rows in ``table`` mean a
+    task that committed and then failed was run again."""
     from pyspark import cloudpickle
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
