@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo demo-spark test lint unit install install-dev postgres browser spark bench clean
+.PHONY: demo demo-spark test lint unit install install-dev postgres browser spark bench soak clean
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ install-dev: $(BIN)/uv
 	$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]'
 
 demo: install
-	$(BIN)/python -m airflow_broker.demo
+	$(BIN)/python -m airflow_broker.examples.demo
 
 # Seed 000 at volume: the example DAG sales_by_region runs the Spark routing job (spark-submit on
 # local[*]) from `airflow dags test`, in a throwaway AIRFLOW_HOME on embedded SQLite stores.
@@ -39,11 +39,19 @@ spark: install-dev
 
 lint: install-dev
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 # What the tests talk to is installed and started first: PostgreSQL, chromium, Java + JDBC.
 test: install-dev postgres browser spark lint
 	$(BIN)/pytest -n 2 --dist loadgroup
+
+# The model-based check at length (the suite runs a bounded profile): thousands of random
+# operation sequences against the reference model, on SQLite and PostgreSQL; and a longer stress run.
+soak: install-dev postgres
+	HYPOTHESIS_PROFILE=soak $(BIN)/pytest tests/test_model_state_machine.py
+	BROKER_STRESS_SECONDS=600 $(BIN)/pytest tests/test_stress_pg.py
 
 bench: install-dev postgres
 	$(BIN)/python -m bench.throughput

@@ -66,3 +66,14 @@ SENT_BY: Final = ("initiator", "target", "any")
 def state_desc(state: str) -> str:
     """The spelled-out name of an endpoint state code."""
     return STATE_DESC.get(state, state)
+
+
+#: Dynamic routing (seed 001's matching step 4): Service Broker's names for the dynamic routing
+#: service, its contract and its message; ``migrate()`` creates the contract and message type.
+BROKER_CONFIGURATION = "http://schemas.microsoft.com/SQL/ServiceBroker/BrokerConfiguration"
+BROKER_CONFIGURATION_NOTICE = (
+    "http://schemas.microsoft.com/SQL/ServiceBroker/BrokerConfigurationNotice"
+)
+MISSING_ROUTE = (
+    "http://schemas.microsoft.com/SQL/ServiceBroker/BrokerConfigurationNotice/MissingRoute"
+)

@@ -3,16 +3,16 @@
 The engine never imports Airflow. By default no sink is installed and every function here returns
 at once; code that must do work to compute a value (a query, a count) first asks
 :func:`enabled`. The Airflow-facing modules (hooks, operators, sensors, triggers, the plugin:
-everything that imports :mod:`airflow_broker.compat`) install Airflow's Stats as the sink when
-Airflow's metrics are on (``[metrics] statsd_on``, ``otel_on`` or ``statsd_datadog_enabled``),
-see :mod:`airflow_broker.airflow_metrics`; anything else with ``gauge(name, value, tags)`` and
+everything that imports :mod:`airflow_broker.provider.compat`) install Airflow's Stats as the sink
+when Airflow's metrics are on (``[metrics] statsd_on``, ``otel_on`` or ``statsd_datadog_enabled``),
+see :mod:`airflow_broker.provider.stats`; anything else with ``gauge(name, value, tags)`` and
 ``incr(name, count, tags)`` methods can be installed with :func:`install`.
 
 Metrics (names before Airflow's ``statsd_prefix``):
 
 =====================================  =======  ==================================================
 ``broker.queue_depth.<queue>``         gauge    ready messages of a queue, at each depth sample
-                                                (:func:`airflow_broker.sampling.sample_queue_depths`)
+                                                (:func:`airflow_broker.operations.sampling.sample_queue_depths`)
 ``broker.messages_sent``               counter  messages SENT by committed transactions (one per
                                                 conversation a SEND names)
 ``broker.messages_received``           counter  messages RECEIVEd by committed transactions

@@ -44,9 +44,7 @@ class PgmqProducer:
         if count == 1:
             self.queue.send(PGMQ_QUEUE, payload(first_seq))
         else:
-            self.queue.send_batch(
-                PGMQ_QUEUE, [payload(first_seq + i) for i in range(count)]
-            )
+            self.queue.send_batch(PGMQ_QUEUE, [payload(first_seq + i) for i in range(count)])
 
     def close(self) -> None:
         """Close the pool."""
@@ -208,9 +206,7 @@ class PgqueuerSystem:
             from pgqueuer.adapters.drivers.psycopg import PsycopgDriver
             from pgqueuer.queries import Queries
 
-            async with await psycopg.AsyncConnection.connect(
-                db.conninfo, autocommit=True
-            ) as conn:
+            async with await psycopg.AsyncConnection.connect(db.conninfo, autocommit=True) as conn:
                 await Queries(PsycopgDriver(conn)).install()
 
         asyncio.run(_install())

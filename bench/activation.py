@@ -40,7 +40,7 @@ from pathlib import Path
 from sqlalchemy import text
 
 from airflow_broker import Activation, Broker
-from airflow_broker.compat import AIRFLOW_VERSION as airflow_version
+from airflow_broker.provider.compat import AIRFLOW_VERSION as airflow_version
 from bench._scratch import ScratchServer
 from tests.support.airflow_stack import AirflowStack, airflow_stack
 

@@ -224,8 +224,7 @@ def main() -> None:
         server.drop_all()
         spark.stop()
     results = {
-        (name, size): size / statistics.median(seconds)
-        for (name, size), seconds in timings.items()
+        (name, size): size / statistics.median(seconds) for (name, size), seconds in timings.items()
     }
     print()
     print(f"median of {args.rounds} rounds, msgs/s")

@@ -136,13 +136,17 @@ def phase(name: str, messages: int, top: int) -> Iterator[None]:
     wall = time.perf_counter() - start
     commits = LOG.commands["COMMIT"]
     control = ", ".join(f"{n / messages:.2f} {cmd}" for cmd, n in sorted(LOG.commands.items()))
-    print(f"\n== {name}: {messages} messages, {commits} commits, {wall:.2f}s "
-          f"({messages / wall:,.0f} msgs/s)")
-    print(f"   per message: {LOG.statements / messages:.2f} statements + {control} = "
-          f"{LOG.round_trips / messages:.2f} round trips; {wall / messages * 1e3:.3f} ms "
-          f"(waiting on the database {LOG.db_seconds / messages * 1e3:.3f} ms, of which "
-          f"commit {LOG.commit_seconds / messages * 1e3:.3f} ms; Python "
-          f"{(wall - LOG.db_seconds) / messages * 1e3:.3f} ms)")
+    print(
+        f"\n== {name}: {messages} messages, {commits} commits, {wall:.2f}s "
+        f"({messages / wall:,.0f} msgs/s)"
+    )
+    print(
+        f"   per message: {LOG.statements / messages:.2f} statements + {control} = "
+        f"{LOG.round_trips / messages:.2f} round trips; {wall / messages * 1e3:.3f} ms "
+        f"(waiting on the database {LOG.db_seconds / messages * 1e3:.3f} ms, of which "
+        f"commit {LOG.commit_seconds / messages * 1e3:.3f} ms; Python "
+        f"{(wall - LOG.db_seconds) / messages * 1e3:.3f} ms)"
+    )
     for key, n in sorted(LOG.count.items(), key=lambda kv: -LOG.seconds[kv[0]])[:top]:
         print(f"   {n / messages:7.2f}/msg {LOG.seconds[key] / messages * 1e3:7.3f} ms/msg  {key}")
 
@@ -182,8 +186,11 @@ def run(system_name: str, workload: Workload, top: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the diagnostic."""
-    p = argparse.ArgumentParser(prog="python -m bench.statements", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.statements",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--system", default="airflow-broker", help="airflow-broker or pgmq")
     p.add_argument("--messages", type=int, default=500)
     p.add_argument("--batched-messages", type=int, default=5000)
@@ -194,9 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _install_listeners()
     run(args.system, Workload("single", 1, args.messages, 100, 100, 0), args.top)
     batched = -(-args.batched_messages // args.batch) * args.batch
-    run(args.system,
+    run(
+        args.system,
         Workload("batched", args.batch, batched, args.batch * 5, args.batch, args.groups),
-        args.top)
+        args.top,
+    )
     return 0
 
 

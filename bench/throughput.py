@@ -130,20 +130,19 @@ class ReaderPool:
             got.append(value)
         return got
 
-    def _ask(self, readers: int, command: tuple[Any, ...], kind: str, timeout: float
-             ) -> list[Any]:
+    def _ask(self, readers: int, command: tuple[Any, ...], kind: str, timeout: float) -> list[Any]:
         if readers > len(self.procs):
             raise ValueError(f"{readers} readers asked of a pool of {len(self.procs)}")
         for q in self.commands[:readers]:
             q.put(command)
         return self._collect(kind, readers, timeout)
 
-    def open(self, readers: int, system: System, db: Database, workload: Workload,
-             state: SetupState) -> int:
+    def open(
+        self, readers: int, system: System, db: Database, workload: Workload, state: SetupState
+    ) -> int:
         """A consumer of ``system`` in each of the first ``readers`` processes; their key."""
         key = next(self._keys)
-        self._ask(readers, ("open", key, system.name, db, workload, state), "opened",
-                  READY_TIMEOUT)
+        self._ask(readers, ("open", key, system.name, db, workload, state), "opened", READY_TIMEOUT)
         return key
 
     def drain(self, key: int, readers: int, total: int) -> list[DrainResult]:
@@ -171,7 +170,11 @@ class Rig:
     """One system set up for one (workload, readers): scratch database, consumers, producer."""
 
     def __init__(
-        self, server: ScratchServer, pool: ReaderPool, system: System, workload: Workload,
+        self,
+        server: ScratchServer,
+        pool: ReaderPool,
+        system: System,
+        workload: Workload,
         readers: int,
     ) -> None:
         self.server = server
@@ -219,8 +222,14 @@ class Rig:
     def row(self) -> Row:
         """The median recorded round (by total time)."""
         median = sorted(self.rounds, key=lambda r: r.seconds)[len(self.rounds) // 2]
-        return Row(self.system.name, self.workload.name, self.readers, self.workload.messages,
-                   median, len(self.rounds))
+        return Row(
+            self.system.name,
+            self.workload.name,
+            self.readers,
+            self.workload.messages,
+            median,
+            len(self.rounds),
+        )
 
     def close(self) -> None:
         """Close the producer and the consumers; drop the scratch database."""
@@ -234,8 +243,12 @@ class Rig:
 
 
 def measure(
-    server: ScratchServer, pool: ReaderPool, systems: Sequence[System], workload: Workload,
-    readers: int, repeats: int,
+    server: ScratchServer,
+    pool: ReaderPool,
+    systems: Sequence[System],
+    workload: Workload,
+    readers: int,
+    repeats: int,
 ) -> list[Row]:
     """Warm-up round, then ``repeats`` measured rounds of every system, interleaved.
 
@@ -266,9 +279,7 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     for name in args.workloads:
         if name == "single":
             messages = _round_up(args.messages, 1)
-            chosen.append(
-                Workload("single", 1, messages, max(1, messages // 10), args.dialogs, 0)
-            )
+            chosen.append(Workload("single", 1, messages, max(1, messages // 10), args.dialogs, 0))
         elif name == "batched":
             messages = _round_up(args.batched_messages, args.batch)
             warmup = _round_up(messages // 10, args.batch)
@@ -282,15 +293,32 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
 
 def format_table(rows: Sequence[Row]) -> str:
     """The results as an aligned text table."""
-    header = ("system", "workload", "readers", "messages", "seconds", "msgs/s",
-              "send s", "receive s", "consume tx")
+    header = (
+        "system",
+        "workload",
+        "readers",
+        "messages",
+        "seconds",
+        "msgs/s",
+        "send s",
+        "receive s",
+        "consume tx",
+    )
     lines = [header]
     for r in rows:
-        lines.append((
-            r.system, r.workload, str(r.readers), str(r.messages), f"{r.round.seconds:.3f}",
-            f"{r.rate:,.0f}", f"{r.round.send_seconds:.3f}", f"{r.round.receive_seconds:.3f}",
-            str(r.round.transactions),
-        ))
+        lines.append(
+            (
+                r.system,
+                r.workload,
+                str(r.readers),
+                str(r.messages),
+                f"{r.round.seconds:.3f}",
+                f"{r.rate:,.0f}",
+                f"{r.round.send_seconds:.3f}",
+                f"{r.round.receive_seconds:.3f}",
+                str(r.round.transactions),
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = []
     for n, line in enumerate(lines):
@@ -338,25 +366,36 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     def ints(text: str) -> list[int]:
         return [int(part) for part in csv(text)]
 
-    p = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", type=csv, default=list(SYSTEMS),
-                   help="comma-separated; default: %(default)s")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--systems", type=csv, default=list(SYSTEMS), help="comma-separated; default: %(default)s"
+    )
     p.add_argument("--workloads", type=csv, default=["single", "batched"])
     p.add_argument("--readers", type=ints, default=[1, 2], help="reader process counts")
     # Single messages are bound by one WAL flush per commit (about 400 msgs/s for pgmq on the
     # 2-core dev box): these sizes keep a round at a few seconds and a full run near 2 minutes.
     p.add_argument("--messages", type=int, default=1000, help="messages per single round")
-    p.add_argument("--batched-messages", type=int, default=10000,
-                   help="messages per batched round")
+    p.add_argument("--batched-messages", type=int, default=10000, help="messages per batched round")
     p.add_argument("--batch", type=int, default=100, help="messages per batched transaction")
-    p.add_argument("--dialogs", type=int, default=100,
-                   help="airflow-broker dialogs of the single workload")
-    p.add_argument("--groups", type=int, default=4,
-                   help="airflow-broker conversation groups of the batched workload")
+    p.add_argument(
+        "--dialogs", type=int, default=100, help="airflow-broker dialogs of the single workload"
+    )
+    p.add_argument(
+        "--groups",
+        type=int,
+        default=4,
+        help="airflow-broker conversation groups of the batched workload",
+    )
     p.add_argument("--repeats", type=int, default=3, help="measured rounds (median is shown)")
-    p.add_argument("--url", default=None,
-                   help="server URL (default: $BROKER_BENCH_POSTGRES_URL or local postgres)")
+    p.add_argument(
+        "--url",
+        default=None,
+        help="server URL (default: $BROKER_BENCH_POSTGRES_URL or local postgres)",
+    )
     return p.parse_args(argv)
 
 
@@ -383,7 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(
                         f"  {row.system:15} {row.workload:8} readers={readers} "
                         f"{row.rate:>9,.0f} msgs/s  (median round {row.round.seconds:.2f}s)",
-                        file=sys.stderr, flush=True,
+                        file=sys.stderr,
+                        flush=True,
                     )
     finally:
         pool.close()

@@ -1,5 +1,5 @@
 """An echo service that answers liveness probes, as Airflow DAGs (the application is
-:mod:`airflow_broker.examples.echo`).
+:mod:`airflow_broker.operations.echo`).
 
 - ``echo_setup`` (manual): migrates the broker database, declares the broker objects and
   creates the ``echo_probe`` table.
@@ -18,11 +18,11 @@ from typing import Any
 import pendulum
 from airflow.sdk import DAG, Param, PokeReturnValue, task
 
-from airflow_broker.examples import echo
 from airflow_broker.hooks import BrokerHook
+from airflow_broker.operations import echo
 from airflow_broker.operators.declarations import ApplyDeclarationsOperator
 from airflow_broker.operators.reader import DrainQueueOperator
-from airflow_broker.triggers.activation import queue_asset
+from airflow_broker.provider.triggers.activation import queue_asset
 
 BROKER_CONN_ID = "broker_default"
 START = pendulum.datetime(2026, 1, 1, tz="UTC")
@@ -48,14 +48,14 @@ def _reader(dag_id: str, queue: str, handler: str, doc: str) -> DAG:
 echo_reader = _reader(
     echo.ECHO_READER_DAG,
     echo.ECHO_QUEUE,
-    "airflow_broker.examples.echo:echo_handler",
+    "airflow_broker.operations.echo:echo_handler",
     "The echo service: any message comes back with the same body, then END.",
 )
 
 probe_reader = _reader(
     echo.PROBER_READER_DAG,
     echo.PROBER_QUEUE,
-    "airflow_broker.examples.echo:probe_reply_handler",
+    "airflow_broker.operations.echo:probe_reply_handler",
     "The prober's reader: records each probe's echo (or its timeout) and ENDs.",
 )
 

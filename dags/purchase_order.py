@@ -31,7 +31,7 @@ from airflow_broker.examples import purchase_order as po
 from airflow_broker.hooks import BrokerHook
 from airflow_broker.operators.declarations import ApplyDeclarationsOperator
 from airflow_broker.operators.reader import DrainQueueOperator
-from airflow_broker.triggers.activation import queue_asset
+from airflow_broker.provider.triggers.activation import queue_asset
 
 BROKER_CONN_ID = "broker_default"
 START = pendulum.datetime(2026, 1, 1, tz="UTC")

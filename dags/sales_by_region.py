@@ -38,7 +38,7 @@ def _brokers() -> tuple[object, dict[str, object]]:
 def _waiting(hq: object) -> int:
     from sqlalchemy import func, select
 
-    from airflow_broker import schema as s
+    from airflow_broker.storage import schema as s
 
     with hq.engine.connect() as conn:  # type: ignore[attr-defined]
         return int(

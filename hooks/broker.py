@@ -14,9 +14,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_broker.compat import AirflowNotFoundException, BaseHook
 from airflow_broker.hooks.connections import connection_url
 from airflow_broker.provider import CONNECTION_FORM
+from airflow_broker.provider.compat import AirflowNotFoundException, BaseHook
 
 if TYPE_CHECKING:
     from airflow_broker.broker import Broker

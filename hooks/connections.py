@@ -54,7 +54,7 @@ def connection_url(conn: Any) -> str:
         ).render_as_string(hide_password=False)
     raise ValueError(
         f"Airflow connection {conn.conn_id!r} has type {conn.conn_type!r}: a broker address must "
-        "be a postgres, sqlite or broker connection, or give the URL in extra as {\"url\": ...}"
+        'be a postgres, sqlite or broker connection, or give the URL in extra as {"url": ...}'
     )
 
 

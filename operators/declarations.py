@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_broker import declarations
 from airflow_broker.errors import InvalidDefinition
+from airflow_broker.operations import declarations
 from airflow_broker.operators.dialog import BrokerOperator
 
 if TYPE_CHECKING:
     from airflow_broker.broker import Broker
-    from airflow_broker.compat import Context
+    from airflow_broker.provider.compat import Context
 
 
 class ApplyDeclarationsOperator(BrokerOperator):

@@ -23,15 +23,15 @@ from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from airflow_broker.compat import BaseOperator
 from airflow_broker.constants import DEFAULT
 from airflow_broker.errors import BrokerError, InvalidDefinition
 from airflow_broker.hooks.broker import BrokerHook
-from airflow_broker.xcom import messages_to_dicts
+from airflow_broker.provider.compat import BaseOperator
+from airflow_broker.provider.xcom import messages_to_dicts
 
 if TYPE_CHECKING:
     from airflow_broker.broker import Broker, Transaction
-    from airflow_broker.compat import Context
+    from airflow_broker.provider.compat import Context
 
 T = TypeVar("T")
 
@@ -312,8 +312,9 @@ class SendOperator(BrokerOperator):
 class ReceiveOperator(BrokerOperator):
     """RECEIVE from a queue: the ready messages of one conversation group, in one transaction.
 
-    Returns (XCom) the messages as plain dicts (:func:`airflow_broker.xcom.message_to_dict`):
-    the RECEIVE columns, ``body_text``, ``body_base64``, ``body_json`` when the body is JSON,
+    Returns (XCom) the messages as plain dicts
+    (:func:`airflow_broker.provider.xcom.message_to_dict`): the RECEIVE columns, ``body_text``,
+    ``body_base64``, ``body_json`` when the body is JSON,
     and ``error``. An empty list when nothing arrived within ``wait_seconds``.
 
     :param queue: the broker queue (templated, as ``queue_name``: ``BaseOperator.queue`` is the

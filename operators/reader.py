@@ -27,12 +27,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow_broker.activation import Handler, ReaderSlot, drain, release_fires, resolve_handler
-from airflow_broker.compat import BaseOperator
 from airflow_broker.hooks.broker import BrokerHook
+from airflow_broker.provider.compat import BaseOperator
 
 if TYPE_CHECKING:
     from airflow_broker.broker import Broker
-    from airflow_broker.compat import Context
+    from airflow_broker.provider.compat import Context
 
 
 class DrainQueueOperator(BaseOperator):

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
-from airflow_broker.delivery import routes_of
 from airflow_broker.hooks.broker import BrokerHook
 from airflow_broker.hooks.connections import airflow_connection_url
 from airflow_broker.routing import BROKER_SCHEME
+from airflow_broker.routing.routes import routes_of
 from airflow_broker.spark import jdbc, job
 from airflow_broker.transport import env_name
 

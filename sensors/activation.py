@@ -1,8 +1,8 @@
 """QueueActivationSensor: wait, without holding a worker slot, until a queue needs a reader.
 
 A sensor is the other way to run seed 004's activation in Airflow (the first is an
-``AssetWatcher`` with :class:`~airflow_broker.triggers.activation.QueueActivationTrigger`): a
-reader DAG that runs continuously starts with this sensor, then drains the queue::
+``AssetWatcher`` with :class:`~airflow_broker.provider.triggers.activation.QueueActivationTrigger`):
+a reader DAG that runs continuously starts with this sensor, then drains the queue::
 
     @dag(schedule="@continuous", max_active_runs=4)
     def supplier_reader():
@@ -34,14 +34,14 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from airflow_broker.activation import MODES, Monitor, check_mode, due_step
-from airflow_broker.compat import BaseSensorOperator, PokeReturnValue
 from airflow_broker.errors import InvalidDefinition
 from airflow_broker.hooks.broker import BrokerHook
-from airflow_broker.triggers.activation import QueueActivationTrigger
+from airflow_broker.provider.compat import BaseSensorOperator, PokeReturnValue
+from airflow_broker.provider.triggers.activation import QueueActivationTrigger
 
 if TYPE_CHECKING:
     from airflow_broker.broker import Broker
-    from airflow_broker.compat import Context
+    from airflow_broker.provider.compat import Context
 
 
 class QueueActivationSensor(BaseSensorOperator):

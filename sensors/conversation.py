@@ -18,14 +18,17 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from airflow_broker.activation import due_step
-from airflow_broker.compat import BaseSensorOperator, PokeReturnValue
 from airflow_broker.errors import ConversationEnded, UnknownObject
 from airflow_broker.hooks.broker import BrokerHook
-from airflow_broker.triggers.conversation import ConversationMessageTrigger, conversation_ready
+from airflow_broker.provider.compat import BaseSensorOperator, PokeReturnValue
+from airflow_broker.provider.triggers.conversation import (
+    ConversationMessageTrigger,
+    conversation_ready,
+)
 
 if TYPE_CHECKING:
     from airflow_broker.broker import Broker
-    from airflow_broker.compat import Context
+    from airflow_broker.provider.compat import Context
 
 
 class ConversationSensor(BaseSensorOperator):

@@ -15,8 +15,8 @@ from typing import Any
 from sqlalchemy import create_engine, select
 
 from airflow_broker import Broker, Message
-from airflow_broker.schema import message as message_table
-from airflow_broker.schema import queue as queue_table
+from airflow_broker.storage.schema import message as message_table
+from airflow_broker.storage.schema import queue as queue_table
 
 BUYER_QUEUE = "buyer_queue"
 SUPPLIER_QUEUE = "supplier_queue"

@@ -21,7 +21,6 @@ from helpers import BUYER, CONTRACT, ORDER, SUPPLIER, SUPPLIER_QUEUE, declare_pa
 from sqlalchemy import select, update
 
 from airflow_broker import Broker, InvalidDefinition, QueueDisabled, UnknownObject
-from airflow_broker import schema as s
 from airflow_broker.activation import (
     READER_TIMEOUT_SECONDS,
     START_TIMEOUT_SECONDS,
@@ -38,6 +37,7 @@ from airflow_broker.activation import (
     register_reader,
     resolve_handler,
 )
+from airflow_broker.storage import schema as s
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 
@@ -66,7 +66,12 @@ NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
     ],
 )
 def test_readers_to_start(
-    running: int, groups: int, depth: int, previous: int | None, max_readers: int, expected: int,
+    running: int,
+    groups: int,
+    depth: int,
+    previous: int | None,
+    max_readers: int,
+    expected: int,
     why: str,
 ) -> None:
     got = readers_to_start(
@@ -156,11 +161,24 @@ def state(
     ],
 )
 def test_decide(
-    mode: str, o: QueueObservation, st: MonitorState, running: int, min_depth: int, fire: bool,
-    readers: int, sample: bool, why: str,
+    mode: str,
+    o: QueueObservation,
+    st: MonitorState,
+    running: int,
+    min_depth: int,
+    fire: bool,
+    readers: int,
+    sample: bool,
+    why: str,
 ) -> None:
     d = decide(
-        mode, o, st, running=running, max_readers=4, min_depth=min_depth, now=NOW,
+        mode,
+        o,
+        st,
+        running=running,
+        max_readers=4,
+        min_depth=min_depth,
+        now=NOW,
         sample_seconds=1.0,
     )
     assert (d.fire, d.readers, d.sample) == (fire, readers, sample), why
@@ -168,8 +186,16 @@ def test_decide(
 
 def test_decide_refuses_unknown_mode() -> None:
     with pytest.raises(InvalidDefinition, match="mode"):
-        decide("often", obs(), state(), running=0, max_readers=1, min_depth=1, now=NOW,
-               sample_seconds=1)
+        decide(
+            "often",
+            obs(),
+            state(),
+            running=0,
+            max_readers=1,
+            min_depth=1,
+            now=NOW,
+            sample_seconds=1,
+        )
     with pytest.raises(InvalidDefinition, match="mode"):
         Monitor(None, "q", mode="often")  # type: ignore[arg-type]
     with pytest.raises(InvalidDefinition, match="min_depth"):
@@ -218,7 +244,11 @@ def test_one_arrival_fires_once_however_often_the_monitor_looks(pair: Broker) ->
     fire = m.check()
     assert fire is not None
     assert (fire.queue, fire.depth, fire.groups_ready, fire.readers, fire.running) == (
-        SUPPLIER_QUEUE, 1, 1, 1, 0,
+        SUPPLIER_QUEUE,
+        1,
+        1,
+        1,
+        0,
     )
     assert fire.fire_id is not None
     assert [m.check() for _ in range(5)] == [None] * 5

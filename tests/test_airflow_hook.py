@@ -71,7 +71,7 @@ def test_airflow_makes_a_broker_hook_from_a_broker_connection(
     monkeypatch: pytest.MonkeyPatch, broker_url: str
 ) -> None:
     """``Connection.get_hook()`` (what generic Airflow code does) finds BrokerHook by type."""
-    from airflow_broker.compat import BaseHook
+    from airflow_broker.provider.compat import BaseHook
 
     set_connection(monkeypatch, "by_type", conn_type="broker", extra={"url": broker_url})
     hook = BaseHook.get_hook("by_type")
@@ -266,12 +266,12 @@ def test_provider_info_is_valid_for_airflow() -> None:
     assert conn_type["connection-type"] == BrokerHook.conn_type == "broker"
     assert conn_type["hook-class-name"] == f"{BrokerHook.__module__}.{BrokerHook.__qualname__}"
     assert conn_type["hook-name"] == BrokerHook.hook_name
-    assert info["queues"] == ["airflow_broker.triggers.queues.BrokerMessageQueueProvider"]
-    assert info["db-managers"] == ["airflow_broker.dbmanager.BrokerDBManager"]
+    assert info["queues"] == ["airflow_broker.provider.triggers.queues.BrokerMessageQueueProvider"]
+    assert info["db-managers"] == ["airflow_broker.provider.dbmanager.BrokerDBManager"]
     (triggers,) = info["triggers"]
     assert triggers["python-modules"] == [
-        "airflow_broker.triggers.activation",
-        "airflow_broker.triggers.conversation",
+        "airflow_broker.provider.triggers.activation",
+        "airflow_broker.provider.triggers.conversation",
     ]
     (hooks,) = info["hooks"]
     assert hooks["python-modules"] == ["airflow_broker.hooks.broker"]
@@ -297,10 +297,12 @@ def test_providers_manager_loads_the_provider() -> None:
     assert hook.hook_name == "Broker"
     assert pm.field_behaviours["broker"]["relabeling"]["schema"] == "Database"
     assert "extra__broker__url" in pm.connection_form_widgets
-    assert "airflow_broker.dbmanager.BrokerDBManager" in pm.db_managers
+    assert "airflow_broker.provider.dbmanager.BrokerDBManager" in pm.db_managers
     # Listed only when the class imports: the "broker" scheme of MessageQueueTrigger.
-    assert "airflow_broker.triggers.queues.BrokerMessageQueueProvider" in pm.queue_class_names
+    assert (
+        "airflow_broker.provider.triggers.queues.BrokerMessageQueueProvider" in pm.queue_class_names
+    )
     assert {t.trigger_class_name for t in pm.trigger} >= {
-        "airflow_broker.triggers.activation",
-        "airflow_broker.triggers.conversation",
+        "airflow_broker.provider.triggers.activation",
+        "airflow_broker.provider.triggers.conversation",
     }

@@ -22,13 +22,15 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from helpers import declare_pair
 from sqlalchemy import make_url, update
 from sqlalchemy.exc import OperationalError
 
-from airflow_broker import Broker, ObjectExists, declarations
-from airflow_broker import schema as s
+from airflow_broker import Broker, ObjectExists
 from airflow_broker.cli import ENV_URL, broker_settings, format_age, main
-from airflow_broker.objects import Catalog, QueueStatus
+from airflow_broker.messaging.objects import Catalog, QueueStatus
+from airflow_broker.operations import declarations
+from airflow_broker.storage import schema as s
 from airflow_broker.transport import DeliveryReport, env_name
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -1175,3 +1177,50 @@ def test_console_script(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert [(q["name"], q["status"]) for q in doc["queues"]] == [("ScriptQueue", False)]
+
+
+# --------------------------------------------------------------------------------------------
+# check
+
+
+def test_check_exits_0_on_a_consistent_broker_1_on_a_problem_and_repair_fixes_it(
+    broker_url: str, run: Run
+) -> None:
+    from test_check import _message_without_endpoint
+
+    b = Broker.connect(broker_url)
+    try:
+        declare_pair(b)
+        code, out, _ = run("--url", broker_url, "check")
+        assert code == 0 and out.splitlines()[-1] == "no problems"
+        _message_without_endpoint(b)
+    finally:
+        b.dispose()
+
+    code, out, _ = run("--url", broker_url, "check")
+    assert code == 1
+    assert "repairable  message_without_endpoint" in out
+    assert "1 problem: 1 message_without_endpoint" in out and "--repair" in out
+
+    code, out, _ = run("--url", broker_url, "check", "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["problems"][0]["kind"] == "message_without_endpoint"
+    assert doc["problems"][0]["repaired"] is False
+
+    code, out, _ = run("--url", broker_url, "check", "--repair")
+    assert code == 0 and "repaired    message_without_endpoint" in out
+    code, out, _ = run("--url", broker_url, "check")
+    assert code == 0 and out.splitlines()[-1] == "no problems"
+
+
+def test_check_reports_what_repair_cannot_fix_and_exits_1(broker_url: str, run: Run) -> None:
+    from test_check import _impossible_state
+
+    b = Broker.connect(broker_url)
+    try:
+        declare_pair(b)
+        _impossible_state(b)
+    finally:
+        b.dispose()
+    code, out, _ = run("--url", broker_url, "check", "--repair")
+    assert code == 1 and "problem     impossible_state" in out

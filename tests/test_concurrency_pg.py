@@ -32,7 +32,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from airflow_broker import Broker, QueueDisabled
-from airflow_broker.objects import QueueStatus
+from airflow_broker.messaging.objects import QueueStatus
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 

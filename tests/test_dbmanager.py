@@ -20,12 +20,12 @@ from sqlalchemy import create_engine, inspect, select, text
 from sqlalchemy.orm import Session
 
 from airflow_broker import DEFAULT, Broker
-from airflow_broker import schema as s
 from airflow_broker.constants import AUTO_CREATED_LOCAL
-from airflow_broker.dbmanager import BrokerDBManager
-from airflow_broker.migrations import VERSION_TABLE, alembic_config
+from airflow_broker.provider.dbmanager import BrokerDBManager
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.migrations import VERSION_TABLE, alembic_config
 
-MANAGER = "airflow_broker.dbmanager.BrokerDBManager"
+MANAGER = "airflow_broker.provider.dbmanager.BrokerDBManager"
 AIRFLOW = str(Path(sys.executable).parent / "airflow")
 
 

@@ -28,9 +28,9 @@ from airflow_broker import (
     ObjectExists,
     UnknownObject,
 )
-from airflow_broker import schema as s
 from airflow_broker.constants import ERR_NOT_CLASSIFIED, REDIRECT
-from airflow_broker.ddr import (
+from airflow_broker.storage import schema as s
+from airflow_broker.transport.routing_service import (
     NotClassified,
     compile_classifier,
     json_path_value,

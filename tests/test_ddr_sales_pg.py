@@ -28,8 +28,8 @@ from sqlalchemy import create_engine, select, text
 from sqlalchemy.pool import NullPool
 
 from airflow_broker import END_DIALOG, ERROR, Broker, Message
-from airflow_broker import schema as s
 from airflow_broker.constants import REDIRECT
+from airflow_broker.storage import schema as s
 
 pytestmark = pytest.mark.xdist_group("transport")
 

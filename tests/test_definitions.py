@@ -26,8 +26,7 @@ from airflow_broker import (
     UnknownObject,
 )
 from airflow_broker.constants import AUTO_CREATED_LOCAL
-from airflow_broker.dynamic import BROKER_CONFIGURATION_NOTICE, MISSING_ROUTE
-from airflow_broker.objects import (
+from airflow_broker.messaging.objects import (
     ContractDef,
     MessageTypeDef,
     PriorityDef,
@@ -35,6 +34,7 @@ from airflow_broker.objects import (
     RouteDef,
     ServiceDef,
 )
+from airflow_broker.routing.dynamic import BROKER_CONFIGURATION_NOTICE, MISSING_ROUTE
 
 ORDER_SCHEMA = {
     "type": "object",
@@ -495,7 +495,7 @@ def test_drop_service_and_queue_take_their_messages_with_them(broker: Broker) ->
     """broker_message has no foreign keys (hot-path cost): the drops must remove what was queued."""
     from sqlalchemy import func, select
 
-    from airflow_broker.schema import message
+    from airflow_broker.storage.schema import message
 
     with broker.definitions() as d:
         d.create_queue("drop_in")

@@ -1,5 +1,5 @@
-"""`make demo` (``python -m airflow_broker.demo``): the purchase-order saga runs end to end on
-the embedded defaults with the in-process ActivationRunner, without Airflow, in seconds, and
+"""`make demo` (``python -m airflow_broker.examples.demo``): the purchase-order saga runs end to end
+on the embedded defaults with the in-process ActivationRunner, without Airflow, in seconds, and
 prints each order's trace and the compensations that ran."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_broker import demo
+from airflow_broker.examples import demo
 
 #: How each scenario of the demo ends: (buyer, supplier).
 OUTCOMES = {
@@ -77,10 +77,10 @@ def check_output(out: str) -> None:
 
 
 def test_make_demo_runs_the_saga_end_to_end() -> None:
-    """``python -m airflow_broker.demo`` as ``make demo`` runs it: a new SQLite file."""
+    """``python -m airflow_broker.examples.demo`` as ``make demo`` runs it: a new SQLite file."""
     began = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "airflow_broker.demo"],
+        [sys.executable, "-m", "airflow_broker.examples.demo"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -101,8 +101,8 @@ def test_demo_needs_no_airflow() -> None:
         "        if name == 'airflow' or name.startswith('airflow.'):\n"
         "            raise ModuleNotFoundError(f'No module named {name!r} (blocked)')\n"
         "sys.meta_path.insert(0, NoAirflow())\n"
-        "sys.argv = ['airflow_broker.demo']\n"
-        "runpy.run_module('airflow_broker.demo', run_name='__main__', alter_sys=True)\n"
+        "sys.argv = ['airflow_broker.examples.demo']\n"
+        "runpy.run_module('airflow_broker.examples.demo', run_name='__main__', alter_sys=True)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]

@@ -42,7 +42,7 @@ from airflow_broker import (
     UnknownObject,
 )
 from airflow_broker.constants import ERR_CONTRACT_NOT_SUPPORTED, ERR_LIFETIME_EXPIRED
-from airflow_broker.objects import ConversationEndpoint
+from airflow_broker.messaging.objects import ConversationEndpoint
 
 NOWHERE = "//nowhere/Service"
 

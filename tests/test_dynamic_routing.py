@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from airflow_broker import Broker
-from airflow_broker.dynamic import (
+from airflow_broker.routing.dynamic import (
     BROKER_CONFIGURATION,
     BROKER_CONFIGURATION_NOTICE,
     MISSING_ROUTE,

@@ -157,7 +157,7 @@ def test_dagbag_has_no_import_errors(tmp_path: Path, metadata_db: Path) -> None:
         d = dags[dag_id]
         assert d["watchers"] == [
             {
-                "trigger": "airflow_broker.triggers.activation.QueueActivationTrigger",
+                "trigger": "airflow_broker.provider.triggers.activation.QueueActivationTrigger",
                 "queue": queue,
                 "broker_conn_id": "broker_default",
                 "round_trip": True,
@@ -448,9 +448,9 @@ def scenario_purchase_orders(broker_url: str) -> dict[str, Any]:
 def scenario_echo(broker_url: str) -> dict[str, Any]:
     from sqlalchemy import select
 
-    from airflow_broker import schema
-    from airflow_broker.examples import echo
-    from airflow_broker.runner import ActivationRunner
+    from airflow_broker.activation.runner import ActivationRunner
+    from airflow_broker.operations import echo
+    from airflow_broker.storage import schema
 
     s = Scenario(broker_url)
     s.run("echo_setup")

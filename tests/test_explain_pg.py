@@ -4,8 +4,8 @@
 made through the public API (so endpoints, groups and messages are exactly what the engine
 writes); the other 99 messages of each dialog are copies of the first with later sequence
 numbers, made by one ``INSERT ... SELECT generate_series`` (seconds instead of minutes). Then
-every variant of the claim statement (``airflow_broker.queries``) is EXPLAINed: none may read
-``broker_message`` with a sequential scan.
+every variant of the claim statement (``airflow_broker.storage.queries``) is EXPLAINed: none may
+read ``broker_message`` with a sequential scan.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection
 
-from airflow_broker import Broker, queries
-from airflow_broker.schema import message as message_table
+from airflow_broker import Broker
+from airflow_broker.storage import queries
+from airflow_broker.storage.schema import message as message_table
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -35,7 +36,8 @@ def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def _sql(stmt: Any) -> str:
-    """The SQL text of a statement from ``airflow_broker.queries`` (text, or text + columns)."""
+    """The SQL text of a statement from ``airflow_broker.storage.queries`` (text, or text +
+    columns)."""
     clause = getattr(stmt, "element", stmt)
     sql: str = clause.text
     return sql

@@ -26,8 +26,9 @@ from helpers import (
     send,
 )
 
-from airflow_broker import Broker, metrics, sampling
+from airflow_broker import Broker, metrics
 from airflow_broker.constants import DEFAULT, POISON_THRESHOLD
+from airflow_broker.operations import sampling
 
 TESTS = Path(__file__).parent
 
@@ -140,8 +141,10 @@ SCRIPT = textwrap.dedent(
     """
     import sys
 
-    import airflow_broker.plugin  # what every Airflow process loads: installs Airflow's Stats
-    from airflow_broker import Broker, metrics, sampling
+    # what every Airflow process loads: installs Airflow's Stats
+    import airflow_broker.provider.plugin
+    from airflow_broker import Broker, metrics
+    from airflow_broker.operations import sampling
     from airflow_broker.constants import DEFAULT, POISON_THRESHOLD
     from helpers import BUYER, NOTE, SUPPLIER_QUEUE, begin, declare_pair, send
 

@@ -17,8 +17,8 @@ from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import Connection
 
 from airflow_broker import Broker
-from airflow_broker.migrations import VERSION_TABLE, alembic_config
-from airflow_broker.schema import metadata
+from airflow_broker.storage.migrations import VERSION_TABLE, alembic_config
+from airflow_broker.storage.schema import metadata
 
 
 def fresh_urls(broker_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> list[str]:
@@ -41,9 +41,7 @@ def ours(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: An
 
 
 def metadata_diffs(conn: Connection) -> list[Any]:
-    context = MigrationContext.configure(
-        conn, opts={"include_object": ours, "compare_type": True}
-    )
+    context = MigrationContext.configure(conn, opts={"include_object": ours, "compare_type": True})
     return list(compare_metadata(context, metadata))
 
 
@@ -242,11 +240,7 @@ def test_downgrade_step_by_step_removes_every_broker_table(
             with engine.begin() as conn:
                 command.downgrade(alembic_config(conn), revision)
         with engine.connect() as conn:
-            left = [
-                t
-                for t in inspect(conn).get_table_names()
-                if t.startswith("broker_")
-            ]
+            left = [t for t in inspect(conn).get_table_names() if t.startswith("broker_")]
         assert left == []
     finally:
         engine.dispose()

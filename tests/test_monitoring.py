@@ -1,4 +1,5 @@
-"""The engine side of the monitoring API (airflow_broker.monitoring), on SQLite and PostgreSQL.
+"""The engine side of the monitoring API (airflow_broker.operations.monitoring), on SQLite and
+PostgreSQL.
 
 No Airflow here: the functions take a Broker and return plain values; the HTTP layer over them
 is tested in test_plugin_api.py.
@@ -29,12 +30,12 @@ from helpers import (
 from sqlalchemy import Table, func, select, update
 
 from airflow_broker import Broker, InvalidDefinition, UnknownObject
-from airflow_broker import monitoring as mon
-from airflow_broker import schema as s
 from airflow_broker.activation import finish_reader, register_reader
 from airflow_broker.constants import DEFAULT, POISON_THRESHOLD
-from airflow_broker.engines import utcnow
-from airflow_broker.examples import echo
+from airflow_broker.operations import echo
+from airflow_broker.operations import monitoring as mon
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import utcnow
 
 REMOTE = "//remote/Nowhere"
 

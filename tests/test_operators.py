@@ -40,7 +40,7 @@ from airflow_broker import (
     MessageValidationError,
     UnknownObject,
 )
-from airflow_broker.declarations import DeclarationsInvalid
+from airflow_broker.operations.declarations import DeclarationsInvalid
 from airflow_broker.operators import (
     ApplyDeclarationsOperator,
     BeginDialogOperator,
@@ -48,7 +48,7 @@ from airflow_broker.operators import (
     ReceiveOperator,
     SendOperator,
 )
-from airflow_broker.xcom import body_bytes, message_to_dict
+from airflow_broker.provider.xcom import body_bytes, message_to_dict
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CONN_ID = "broker_ops"
@@ -317,7 +317,7 @@ def test_receive_error_message_carries_code_and_description(broker: Broker) -> N
 
 
 def test_message_to_dict_refuses_non_json_constants() -> None:
-    from airflow_broker.objects import Message
+    from airflow_broker.messaging.objects import Message
 
     m = Message(1, 5, 1, uuid.uuid4(), uuid.uuid4(), 0, "s", "c", "t", "N", b"NaN")
     d = message_to_dict(m)
@@ -473,7 +473,7 @@ def test_template_fields_are_declared() -> None:
 def test_no_argument_shadows_a_base_operator_attribute() -> None:
     """``queue`` is BaseOperator's executor queue and ``dry_run`` its method: the broker queue
     and the plan-only flag are kept under other names, so neither is clobbered."""
-    from airflow_broker.compat import BaseOperator
+    from airflow_broker.provider.compat import BaseOperator
 
     receive_op = ReceiveOperator(task_id="r", queue="SupplierQueue")
     assert receive_op.queue_name == "SupplierQueue"

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from airflow_broker.plugin import PLUGIN_NAME, URL_PREFIX, BrokerPlugin
 from airflow_broker.provider import get_provider_info
+from airflow_broker.provider.plugin import PLUGIN_NAME, URL_PREFIX, BrokerPlugin
 
-PLUGIN_CLASS = "airflow_broker.plugin.BrokerPlugin"
+PLUGIN_CLASS = "airflow_broker.provider.plugin.BrokerPlugin"
 
 
 def airflow_env(home: Path) -> dict[str, str]:
@@ -44,7 +44,7 @@ def run(code: str, home: Path) -> str:
 
 def test_the_entry_point_names_the_plugin() -> None:
     [ep] = [e for e in entry_points(group="airflow.plugins") if e.name == PLUGIN_NAME]
-    assert ep.value == "airflow_broker.plugin:BrokerPlugin"
+    assert ep.value == "airflow_broker.provider.plugin:BrokerPlugin"
     assert ep.load() is BrokerPlugin
 
 
@@ -78,9 +78,13 @@ def test_the_plugin_mounts_one_app_at_broker() -> None:
 
 
 def test_loading_the_plugin_imports_nothing_of_the_api_server(tmp_path: Path) -> None:
-    heavy = ["fastapi", "airflow.api_fastapi.core_api.security", "airflow_broker.plugin.api"]
+    heavy = [
+        "fastapi",
+        "airflow.api_fastapi.core_api.security",
+        "airflow_broker.provider.plugin.api",
+    ]
     out = run(
-        "import sys, json; import airflow_broker.plugin as p; "
+        "import sys, json; import airflow_broker.provider.plugin as p; "
         "assert p.BrokerPlugin.name; "
         f"print(json.dumps([m for m in {heavy!r} if m in sys.modules]))",
         tmp_path,

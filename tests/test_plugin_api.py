@@ -1,7 +1,7 @@
 """The plugin's HTTP API through FastAPI's TestClient, behind Airflow's real authentication.
 
-The app (airflow_broker.plugin.api.create_app) is mounted at ``/broker`` beside Airflow's own
-auth manager app, as the API server does: the simple auth manager of the installed Airflow,
+The app (airflow_broker.provider.plugin.api.create_app) is mounted at ``/broker`` beside Airflow's
+own auth manager app, as the API server does: the simple auth manager of the installed Airflow,
 with users admin, op, user and viewer whose passwords it generates, and real JWTs from its
 ``POST /auth/token``. Token validation reads Airflow's ``revoked_token`` table, so this module
 points Airflow's ORM at a throw-away SQLite database holding Airflow's tables for its duration
@@ -40,11 +40,11 @@ from helpers import (
 from sqlalchemy import func, insert, select
 
 from airflow_broker import Broker
-from airflow_broker import monitoring as mon
-from airflow_broker import schema as s
 from airflow_broker.constants import DEFAULT, POISON_THRESHOLD
-from airflow_broker.examples import echo
-from airflow_broker.plugin.api import create_app
+from airflow_broker.operations import echo
+from airflow_broker.operations import monitoring as mon
+from airflow_broker.provider.plugin.api import create_app
+from airflow_broker.storage import schema as s
 
 SIMPLE_AUTH_MANAGER = (
     "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager"

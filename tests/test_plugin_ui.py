@@ -15,9 +15,9 @@ from fastapi.testclient import TestClient
 from test_plugin import run
 
 from airflow_broker import Broker
-from airflow_broker.plugin import EXTERNAL_VIEWS, UI_HREF, URL_PREFIX, BrokerPlugin
-from airflow_broker.plugin.api import create_app
-from airflow_broker.plugin.ui import STATIC_DIR
+from airflow_broker.provider.plugin import EXTERNAL_VIEWS, UI_HREF, URL_PREFIX, BrokerPlugin
+from airflow_broker.provider.plugin.api import create_app
+from airflow_broker.provider.plugin.ui import STATIC_DIR
 
 FILES = {
     "index.html": "text/html",

@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy import func, select
 
 from airflow_broker import Broker
-from airflow_broker.demo import buyer_reader
+from airflow_broker.activation.runner import ActivationRunner
 from airflow_broker.examples import purchase_order as po
-from airflow_broker.runner import ActivationRunner
+from airflow_broker.examples.demo import buyer_reader
 
 Handler = Callable[..., Any]
 READERS: tuple[tuple[str, Handler], ...] = (

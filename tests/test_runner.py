@@ -24,9 +24,9 @@ from sqlalchemy import func, select, text
 from sqlalchemy.engine import Connection
 
 from airflow_broker import Activation, Broker, InvalidDefinition
-from airflow_broker import schema as s
 from airflow_broker.activation import readers
-from airflow_broker.runner import ActivationRunner
+from airflow_broker.activation.runner import ActivationRunner
+from airflow_broker.storage import schema as s
 
 MP = multiprocessing.get_context("forkserver")
 
@@ -261,8 +261,7 @@ def test_two_runner_processes_share_max_readers(
     handles = open_dialogs(broker, 6)
     go, stop = MP.Event(), MP.Event()
     children = [
-        MP.Process(target=run_in_child, args=(broker_url, max_readers, go, stop))
-        for _ in range(2)
+        MP.Process(target=run_in_child, args=(broker_url, max_readers, go, stop)) for _ in range(2)
     ]
     for child in children:
         child.start()

@@ -1,5 +1,5 @@
-"""Queue depth history (airflow_broker.sampling): one set-based sample per queue, at most once per
-interval across processes, retention in bounded batches, on SQLite and PostgreSQL."""
+"""Queue depth history (airflow_broker.operations.sampling): one set-based sample per queue, at most
+once per interval across processes, retention in bounded batches, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ from helpers import (
 )
 from sqlalchemy import event, func, insert, select
 
-from airflow_broker import Broker, metrics, sampling
-from airflow_broker import monitoring as mon
-from airflow_broker import schema as s
+from airflow_broker import Broker, metrics
 from airflow_broker.activation import due_step
-from airflow_broker.engines import utcnow
 from airflow_broker.errors import InvalidDefinition, UnknownObject
+from airflow_broker.operations import monitoring as mon
+from airflow_broker.operations import sampling
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import utcnow
 
 qs = s.queue_sample
 

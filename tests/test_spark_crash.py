@@ -114,7 +114,7 @@ def test_killed_anywhere_and_run_again_every_message_arrives_once(
     # No staging rows are left behind by the dead run.
     from sqlalchemy import func, select
 
-    from airflow_broker import schema as s
+    from airflow_broker.storage import schema as s
 
     with b.engine.connect() as conn:
         for table in (s.spark_staging, s.spark_staged_conversation):

@@ -28,10 +28,11 @@ from transport_procs import (
     two_way,
 )
 
-from airflow_broker import END_DIALOG, Broker, ddr, routing
+from airflow_broker import END_DIALOG, Broker, routing
 from airflow_broker.examples import sales
 from airflow_broker.routing import Route
 from airflow_broker.spark import jdbc, job, transforms
+from airflow_broker.transport import routing_service as ddr
 
 pytestmark = [pytest.mark.xdist_group("spark"), pytest.mark.timeout(600)]
 
@@ -323,4 +324,3 @@ def test_sales_requests_are_classified_by_region_to_the_regional_brokers(
 def test_a_password_on_the_command_line_is_refused() -> None:
     with pytest.raises(SystemExit, match="password"):
         job.source_url("postgresql+psycopg://u:secret@db/x")
-

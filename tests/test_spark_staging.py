@@ -21,8 +21,8 @@ from transport_procs import (
 )
 
 from airflow_broker import Broker
-from airflow_broker import schema as s
 from airflow_broker.spark import commit, jdbc, job
+from airflow_broker.storage import schema as s
 
 pytestmark = [pytest.mark.xdist_group("spark"), pytest.mark.timeout(600)]
 

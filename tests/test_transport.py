@@ -60,14 +60,14 @@ from transport_procs import (
 )
 
 from airflow_broker import END_DIALOG, ERROR, Broker
-from airflow_broker import schema as s
 from airflow_broker.constants import (
     ERR_CONTRACT_NOT_SUPPORTED,
     ERR_HOPS_EXCEEDED,
     ERR_MESSAGE_INVALID,
 )
-from airflow_broker.engines import utcnow
 from airflow_broker.routing import pick_broker_instance
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import utcnow
 
 MP = multiprocessing.get_context("forkserver")
 MP.set_forkserver_preload(

@@ -51,8 +51,8 @@ from transport_procs import (
 )
 
 from airflow_broker import Broker, Message
-from airflow_broker.engines import utcnow
-from airflow_broker.objects import TransmissionRow
+from airflow_broker.messaging.objects import TransmissionRow
+from airflow_broker.storage.clock import utcnow
 
 if TYPE_CHECKING:
     from conftest import PostgresServer

@@ -24,22 +24,21 @@ from helpers import BUYER, BUYER_QUEUE, CONTRACT, ORDER, SUPPLIER, SUPPLIER_QUEU
 from helpers import open_order as open_order_pair
 from sqlalchemy import select, text
 
-from airflow_broker import (
-    DIALOG_TIMER,
-    Activation,
-    Broker,
-    ConversationEnded,
-    UnknownObject,
-    schema,
-)
+from airflow_broker import DIALOG_TIMER, Activation, Broker, ConversationEnded, UnknownObject
 from airflow_broker.activation import Monitor, drain, readers, register_reader
-from airflow_broker.compat import AssetWatcher, BaseEventTrigger, PokeReturnValue, TriggerEvent
 from airflow_broker.operators.reader import DrainQueueOperator
+from airflow_broker.provider.compat import (
+    AssetWatcher,
+    BaseEventTrigger,
+    PokeReturnValue,
+    TriggerEvent,
+)
+from airflow_broker.provider.triggers import activation as trigger_module
+from airflow_broker.provider.triggers.activation import QueueActivationTrigger
+from airflow_broker.provider.triggers.conversation import ConversationMessageTrigger
+from airflow_broker.provider.triggers.queues import BrokerMessageQueueProvider
 from airflow_broker.sensors import ConversationSensor, QueueActivationSensor
-from airflow_broker.triggers import activation as trigger_module
-from airflow_broker.triggers.activation import QueueActivationTrigger
-from airflow_broker.triggers.conversation import ConversationMessageTrigger
-from airflow_broker.triggers.queues import BrokerMessageQueueProvider
+from airflow_broker.storage import schema
 
 CONN_ID = "broker_test"
 POLL = 0.1
@@ -230,7 +229,10 @@ def test_trigger_fires_once_per_arrival_and_not_again_after_a_restart(broker: Br
         event = await run.next()
         assert event["queue"] == SUPPLIER_QUEUE
         assert (event["depth"], event["groups_ready"], event["readers"], event["running"]) == (
-            1, 1, 1, 0,
+            1,
+            1,
+            1,
+            0,
         )
         assert event["mode"] == "arrival" and event["fire_id"]
         await run.quiet()  # the same messages: once
@@ -396,9 +398,7 @@ def test_cleanup_closes_the_trigger_connections(broker: Broker) -> None:
         runs = [Running(activation_trigger(monitor_key=f"k{i}")) for i in range(3)]
         await in_thread(dialogs, broker, 1)
         getters = [asyncio.ensure_future(run.events.get()) for run in runs]
-        done, pending = await asyncio.wait(
-            getters, timeout=15, return_when=asyncio.FIRST_COMPLETED
-        )
+        done, pending = await asyncio.wait(getters, timeout=15, return_when=asyncio.FIRST_COMPLETED)
         assert len(done) == 1  # one reader for one arrival, whichever monitor saw it first
         for getter in pending:
             getter.cancel()
@@ -449,8 +449,9 @@ def test_trigger_listens_again_after_its_connection_is_killed(
         assert await in_thread(kill_listeners) == 1
         await eventually(lambda: old.broken)
         # The next wake-up (the broken listener wakes the trigger) reconnects.
-        await eventually(lambda: [lst.refs for lst in table.values()] == [1] and old not in
-                         table.values())
+        await eventually(
+            lambda: [lst.refs for lst in table.values()] == [1] and old not in table.values()
+        )
         await in_thread(dialogs, broker, 1)
         assert (await run.next(timeout=10))["depth"] == 1
         await run.stop()
@@ -588,7 +589,10 @@ def test_activation_sensor_defers_then_completes(broker: Broker) -> None:
     from airflow.sdk.exceptions import TaskDeferred
 
     sensor = QueueActivationSensor(
-        task_id="wait", queue=SUPPLIER_QUEUE, broker_conn_id=CONN_ID, poll_interval=POLL,
+        task_id="wait",
+        queue=SUPPLIER_QUEUE,
+        broker_conn_id=CONN_ID,
+        poll_interval=POLL,
         timeout=600,
     )
     with pytest.raises(TaskDeferred) as deferred:
@@ -597,7 +601,7 @@ def test_activation_sensor_defers_then_completes(broker: Broker) -> None:
     assert deferred.value.method_name == "execute_complete"
     assert deferred.value.timeout.total_seconds() == 600
     assert trigger.serialize() == (
-        "airflow_broker.triggers.activation.QueueActivationTrigger",
+        "airflow_broker.provider.triggers.activation.QueueActivationTrigger",
         {
             "queue": SUPPLIER_QUEUE,
             "broker_conn_id": CONN_ID,
@@ -636,8 +640,12 @@ def test_activation_sensor_returns_at_once_when_a_reader_is_needed(broker: Broke
 def test_activation_sensor_pokes_when_not_deferrable(broker: Broker, how: str) -> None:
     kwargs = {"wait_for": "depth"} if how == "wait_for" else {"mode": "depth"}
     sensor = QueueActivationSensor(
-        task_id="wait", queue=SUPPLIER_QUEUE, broker_conn_id=CONN_ID, min_depth=2,
-        deferrable=False, **kwargs,
+        task_id="wait",
+        queue=SUPPLIER_QUEUE,
+        broker_conn_id=CONN_ID,
+        min_depth=2,
+        deferrable=False,
+        **kwargs,
     )
     assert (sensor.wait_for, sensor.mode) == ("depth", "poke")
     handles = dialogs(broker, 1)
@@ -654,8 +662,11 @@ def test_conversation_sensor_defers_then_completes(broker: Broker) -> None:
 
     buyer_h, supplier_h = open_order_pair(broker)
     sensor = ConversationSensor(
-        task_id="wait_reply", queue=BUYER_QUEUE, conversation_handle=str(buyer_h),
-        broker_conn_id=CONN_ID, poll_interval=POLL,
+        task_id="wait_reply",
+        queue=BUYER_QUEUE,
+        conversation_handle=str(buyer_h),
+        broker_conn_id=CONN_ID,
+        poll_interval=POLL,
     )
     with pytest.raises(TaskDeferred) as deferred:
         sensor.execute({})
@@ -685,8 +696,11 @@ def test_conversation_sensor_defers_then_completes(broker: Broker) -> None:
     # Ready now: the sensor returns without deferring, and pokes True.
     assert sensor.execute({})["ready"] == 1
     poking = ConversationSensor(
-        task_id="poke", queue=BUYER_QUEUE, conversation_handle=str(buyer_h),
-        broker_conn_id=CONN_ID, deferrable=False,
+        task_id="poke",
+        queue=BUYER_QUEUE,
+        conversation_handle=str(buyer_h),
+        broker_conn_id=CONN_ID,
+        deferrable=False,
     )
     assert poking.poke({}).is_done
 
@@ -727,7 +741,9 @@ def test_drain_operator_takes_its_fire_and_drains_the_queue(broker: Broker) -> N
     fire = Monitor(broker, SUPPLIER_QUEUE).check()
     assert fire is not None
     op = DrainQueueOperator(
-        task_id="drain", queue=SUPPLIER_QUEUE, handler="test_triggers:handle",
+        task_id="drain",
+        queue=SUPPLIER_QUEUE,
+        handler="test_triggers:handle",
         broker_conn_id=CONN_ID,
     )
     result = op.execute(context_for(fire.payload()))
@@ -741,7 +757,9 @@ def test_drain_operator_takes_its_fire_and_drains_the_queue(broker: Broker) -> N
     assert sorted(HANDLED) == [0, 0, 0, 1, 1, 1]  # two orders on each of three dialogs
     [row] = readers(broker, SUPPLIER_QUEUE)
     assert (str(row.reader_id), row.outcome, row.label) == (
-        fire.fire_id, "drained", "reader/run_1/drain",
+        fire.fire_id,
+        "drained",
+        "reader/run_1/drain",
     )
 
 
@@ -804,7 +822,10 @@ def test_templated_fields_render_and_the_executor_queue_is_left_alone() -> None:
     with DAG("reader", params=params) as dag:
         ops = [
             DrainQueueOperator(
-                task_id="d", queue="{{ params.q }}", handler=handle, executor_queue="readers",
+                task_id="d",
+                queue="{{ params.q }}",
+                handler=handle,
+                executor_queue="readers",
                 fire_id="{{ params.h }}",
             ),
             QueueActivationSensor(

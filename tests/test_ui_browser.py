@@ -167,6 +167,11 @@ def run_the_page(
         expect(frame.locator("#events-table")).to_contain_text("queue_disabled", timeout=SEEN)
         page.screenshot(path=shots / "2-queue-disabled-in-airflow.png")
 
+        # The overview shows the last consistency check (airflow-broker check).
+        broker.check()
+        card = frame.locator('[data-card="Consistency check"]')
+        expect(card).to_contain_text("no problems", timeout=SEEN)
+
     # The page alone, full length: the screenshot of the disabled queue.
     alone = admin.new_page()
     alone.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))

@@ -31,7 +31,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from airflow_broker import Broker, Message
-from airflow_broker import schema as s
+from airflow_broker.storage import schema as s
 
 INITIATOR = "InitiatorService"
 TARGET = "TargetService"

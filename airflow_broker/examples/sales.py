@@ -58,7 +58,7 @@ def _exists(broker: Broker, table: Any, name: str) -> bool:
 
 
 def _common(broker: Broker) -> None:
-    from airflow_broker import schema as s
+    from airflow_broker.storage import schema as s
 
     if not _exists(broker, s.message_type, REQUEST_TYPE):
         with broker.definitions() as d:
@@ -68,7 +68,7 @@ def _common(broker: Broker) -> None:
 
 def declare(hq: Broker, regions: Mapping[str, Broker]) -> None:
     """Headquarters and every regional broker (idempotent)."""
-    from airflow_broker import schema as s
+    from airflow_broker.storage import schema as s
 
     _common(hq)
     if not _exists(hq, s.queue, CLIENT_QUEUE):
@@ -108,7 +108,7 @@ def depths(regions: Mapping[str, Broker]) -> dict[str, int]:
     """Messages waiting in each region's queue."""
     from sqlalchemy import func, select
 
-    from airflow_broker import schema as s
+    from airflow_broker.storage import schema as s
 
     out = {}
     for region, broker in regions.items():

@@ -43,17 +43,20 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
-from airflow_broker import dynamic, routing
-from airflow_broker import schema as s
-from airflow_broker.delivery import RETRY_BASE, hosted_services, routes_of
-from airflow_broker.engines import utcnow
+from airflow_broker import routing
+from airflow_broker.messaging.delivery import RETRY_BASE
+from airflow_broker.messaging.lookups import hosted_services
+from airflow_broker.routing import dynamic
+from airflow_broker.routing.routes import routes_of
 from airflow_broker.spark import commit, jdbc, transforms
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import utcnow
 from airflow_broker.transport import Inbound, Unreachable, env_name, resolve
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-    from airflow_broker.broker import Broker
+    from airflow_broker.storage.context import BrokerContext
 
 log = logging.getLogger("airflow_broker")
 
@@ -130,7 +133,7 @@ def source_url(name: str) -> str:
     raise SystemExit(f"no broker named {name!r}: set {env_name(name)} to its URL")
 
 
-def _bounds(source: Broker, due_by: datetime | None) -> tuple[int, int] | None:
+def _bounds(source: BrokerContext, due_by: datetime | None) -> tuple[int, int] | None:
     t = s.transmission_queue
     stmt = select(func.min(t.c.id), func.max(t.c.id))
     if due_by is not None:
@@ -140,7 +143,9 @@ def _bounds(source: Broker, due_by: datetime | None) -> tuple[int, int] | None:
     return None if low is None else (int(low), int(high))
 
 
-def _reachable(source: Broker, addresses: tuple[str, ...]) -> tuple[Broker | None, str]:
+def _reachable(
+    source: BrokerContext, addresses: tuple[str, ...]
+) -> tuple[BrokerContext | None, str]:
     """The first address whose broker answers and is the principal (a mirror serves when the
     principal does not), as :meth:`transport.Transport.push_any` tries them."""
     failures: list[str] = []
@@ -213,7 +218,7 @@ def _staged_messages(df: DataFrame, run_id: str, dialect: str, parts: int) -> Da
     ).sortWithinPartitions("conversation_id", "from_initiator", "seq")
 
 
-def _write(df: DataFrame, target: Broker, table: str) -> int:
+def _write(df: DataFrame, target: BrokerContext, table: str) -> int:
     """Append ``df`` to ``table`` of ``target``: COPY from the executors on PostgreSQL, JDBC
     (one writer) on SQLite. Returns the rows written, each partition counted once."""
     from pyspark.sql import Observation
@@ -232,7 +237,7 @@ def _write(df: DataFrame, target: Broker, table: str) -> int:
 
 
 def run(
-    source: Broker,
+    source: BrokerContext,
     spark: SparkSession,
     *,
     classifier: str | None = None,
@@ -354,8 +359,8 @@ def _why(row: Any, classify_service: str | None) -> str:
 
 
 def _deliver(
-    source: Broker,
-    target: Broker,
+    source: BrokerContext,
+    target: BrokerContext,
     pending: DataFrame,
     chosen: DataFrame,
     report: RunReport,

@@ -149,7 +149,7 @@ def classifier_column(spec: str) -> Column:
         value = F.expr(rest)
         value = F.when((F.length(F.trim(value)) > 0) & (F.length(value) <= MAX_SERVICE_NAME), value)
         return value.cast("string")
-    from airflow_broker import ddr
+    from airflow_broker.transport import routing_service as ddr
 
     ddr.compile_classifier(spec)  # fails here, on the driver, with the reason
 
@@ -169,7 +169,7 @@ def _compiled(spec: str) -> Any:
     """One compiled classifier per spec and Python worker."""
     found = _classifiers.get(spec)
     if found is None:
-        from airflow_broker import ddr
+        from airflow_broker.transport import routing_service as ddr
 
         found = _classifiers[spec] = ddr.compile_classifier(spec)
     return found
@@ -423,9 +423,7 @@ def with_plan(df: DataFrame, planned: DataFrame) -> DataFrame:
         "conversation_id": "_canonical_id",
         "to_service_name": "_to_service",
     }
-    return joined.select(
-        *[F.col(from_plan.get(c, c)).alias(c) for c in df.columns], *PLAN_COLUMNS
-    )
+    return joined.select(*[F.col(from_plan.get(c, c)).alias(c) for c in df.columns], *PLAN_COLUMNS)
 
 
 def plan(

@@ -19,7 +19,7 @@ from airflow_broker import Message, Transaction
 from airflow_broker.constants import END_DIALOG, ERROR
 from airflow_broker.hooks.broker import BrokerHook
 from airflow_broker.operators.reader import DrainQueueOperator
-from airflow_broker.triggers.activation import QueueActivationTrigger
+from airflow_broker.provider.triggers.activation import QueueActivationTrigger
 
 START = pendulum.datetime(2026, 1, 1)
 QUEUE = "latency_q"

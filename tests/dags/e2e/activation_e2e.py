@@ -10,7 +10,7 @@ import pendulum
 from airflow.sdk import Asset, AssetWatcher, dag
 
 from airflow_broker.operators.reader import DrainQueueOperator
-from airflow_broker.triggers.activation import QueueActivationTrigger
+from airflow_broker.provider.triggers.activation import QueueActivationTrigger
 
 QUEUE = "e2e_q"
 MAX_READERS = 2

@@ -1,0 +1,141 @@
+"""What the monitor and the reader registry share: locking one queue's activation, observing
+its depth and groups, and tidying ``broker_activation`` / ``broker_activation_reader`` rows.
+
+On PostgreSQL the monitor and the reader registration of one queue serialize on a
+transaction-scoped advisory lock; on SQLite a broker transaction already holds the database's
+only write lock.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import delete, func, or_, select, text, update
+from sqlalchemy.engine import Connection
+
+from airflow_broker.activation.decision import (
+    ADVISORY_CLASS,
+    FINISHED_RETENTION,
+    READER_TIMEOUT_SECONDS,
+    START_TIMEOUT_SECONDS,
+    QueueObservation,
+)
+from airflow_broker.constants import STATUS_READY
+from airflow_broker.errors import UnknownObject
+from airflow_broker.messaging.definitions import Activation
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import aware
+
+# ---------------------------------------------------------------------------------------------
+# Observation and bookkeeping (shared by the monitor and reader registration)
+# ---------------------------------------------------------------------------------------------
+
+_m = s.message
+_r = s.activation_reader
+_a = s.activation_monitor
+
+
+def lock_queue(conn: Connection, queue_id: int) -> None:
+    """Serialize one queue's monitors and reader registrations (PostgreSQL; SQLite already holds
+    its single write lock from the transaction's first statement)."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(
+            text("SELECT pg_advisory_xact_lock(:cls, :queue_id)"),
+            {"cls": ADVISORY_CLASS, "queue_id": queue_id},
+        )
+
+
+def queue_row(conn: Connection, queue: str) -> Any:
+    row = conn.execute(
+        select(s.queue.c.queue_id, s.queue.c.status, s.queue.c.activation).where(
+            s.queue.c.name == queue
+        )
+    ).first()
+    if row is None:
+        raise UnknownObject(f"queue {queue!r} does not exist in this broker")
+    return row
+
+
+def observe(conn: Connection, row: Any) -> QueueObservation:
+    ready = conn.execute(
+        select(
+            func.count(),
+            func.count(func.distinct(_m.c.conversation_group_id)),
+            func.max(_m.c.queuing_order),
+            func.min(_m.c.queuing_order),
+            func.max(_m.c.enqueued_at),
+            func.min(_m.c.enqueued_at),
+        ).where(_m.c.queue_id == row.queue_id, _m.c.status == STATUS_READY)
+    ).one()
+    return QueueObservation(
+        queue_id=row.queue_id,
+        enabled=bool(row.status),
+        activation=Activation.from_value(row.activation) or Activation(),
+        depth=int(ready[0] or 0),
+        groups_ready=int(ready[1] or 0),
+        high_water=ready[2],
+        low_water=ready[3],
+        newest_at=_timestamp(ready[4]),
+        oldest_at=_timestamp(ready[5]),
+        monotonic_order=conn.dialect.name == "postgresql",
+    )
+
+
+def _timestamp(value: Any) -> datetime | None:
+    """min()/max() of a timestamp: SQLite hands back the stored text."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return aware(value)
+
+
+def tidy(conn: Connection, queue_id: int, obs: QueueObservation | None, now: datetime) -> None:
+    """Close what no longer counts: fires whose reader never came (or whose messages are gone),
+    readers whose heartbeat stopped; purge rows finished long ago."""
+    started_too_late = _r.c.fired_at < now - timedelta(seconds=START_TIMEOUT_SECONDS)
+    stale: Any = started_too_late
+    if obs is not None:
+        if obs.low_water is None:
+            stale = or_(started_too_late, _r.c.fired_at.is_not(None))  # the queue is empty
+        elif obs.monotonic_order or obs.oldest_at is None:
+            stale = or_(started_too_late, _r.c.cursor < obs.low_water)
+        else:
+            # SQLite: a reused queuing_order may hide that the messages fired for are gone.
+            stale = or_(
+                started_too_late, _r.c.cursor < obs.low_water, _r.c.fired_at < obs.oldest_at
+            )
+    conn.execute(
+        update(_r)
+        .where(
+            _r.c.queue_id == queue_id,
+            _r.c.started_at.is_(None),
+            _r.c.finished_at.is_(None),
+            stale,
+        )
+        .values(finished_at=now, outcome="expired")
+    )
+    conn.execute(
+        update(_r)
+        .where(
+            _r.c.queue_id == queue_id,
+            _r.c.started_at.is_not(None),
+            _r.c.finished_at.is_(None),
+            _r.c.heartbeat_at < now - timedelta(seconds=READER_TIMEOUT_SECONDS),
+        )
+        .values(finished_at=now, outcome="lost")
+    )
+    conn.execute(
+        delete(_r).where(_r.c.queue_id == queue_id, _r.c.finished_at < now - FINISHED_RETENTION)
+    )
+
+
+def counts(conn: Connection, queue_id: int) -> tuple[int, int]:
+    """(readers registered and not finished, readers fired for and not yet registered), after
+    :func:`tidy`."""
+    row = conn.execute(
+        select(
+            func.count().filter(_r.c.started_at.is_not(None)),
+            func.count().filter(_r.c.started_at.is_(None)),
+        ).where(_r.c.queue_id == queue_id, _r.c.finished_at.is_(None))
+    ).one()
+    return int(row[0] or 0), int(row[1] or 0)

@@ -1,0 +1,203 @@
+"""One monitor of one queue: observe, decide, and record what it fired for.
+
+:class:`Monitor` applies :func:`~airflow_broker.activation.decision.decide` and records in the
+broker database (table ``broker_activation``) what it fired for. Firing is a compare-and-set on
+the monitor's cursor, so two monitors (two triggerers, or a restarted one) never fire twice for
+the same messages. :func:`due_step` is what every monitor also does as it polls: due work and
+queue-depth sampling.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import and_, insert, select, update
+from sqlalchemy.engine import Connection
+
+from airflow_broker.activation.decision import ACTIVATION_KEY, MonitorState, check_mode, decide
+from airflow_broker.activation.ledger import _a, _r, counts, lock_queue, observe, queue_row, tidy
+from airflow_broker.errors import InvalidDefinition
+from airflow_broker.messaging.duework import run_due
+from airflow_broker.operations.sampling import sample_step
+from airflow_broker.storage.clock import aware, utcnow
+
+if TYPE_CHECKING:
+    from airflow_broker.storage.context import BrokerContext
+
+
+# ---------------------------------------------------------------------------------------------
+# The monitor
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Fire:
+    """A monitor fired: for ``arrival``, start ``readers`` reader(s)."""
+
+    queue: str
+    mode: str
+    monitor_key: str
+    depth: int
+    groups_ready: int
+    cursor: int
+    readers: int
+    running: int
+    fire_id: str | None = None
+
+    def payload(self) -> dict[str, Any]:
+        """The event payload (JSON): what triggers and sensors hand to Airflow."""
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Monitor:
+    """One monitor of one queue; :meth:`check` observes once and fires at most once.
+
+    All the state lives in the broker database (keyed by queue and ``key``), so a new Monitor
+    with the same key continues where another left off, and two monitors with the same key
+    (two triggerers) never fire twice for one arrival.
+
+    :param broker: the broker database.
+    :param queue: the queue's name.
+    :param key: the monitor's name; monitors with different keys keep different cursors, and
+        all monitors of a queue see the same readers.
+    :param mode: ``arrival`` (start readers, seed 004), ``depth`` or ``growth`` (see :data:`Mode`).
+    :param min_depth: do nothing while fewer messages wait.
+    :param max_readers: the most readers at once (None: the queue's ``Activation.max_readers``).
+    :param sample_seconds: how often the queue's depth is sampled to judge growth.
+    """
+
+    broker: BrokerContext
+    queue: str
+    key: str = ACTIVATION_KEY
+    mode: str = "arrival"
+    min_depth: int = 1
+    max_readers: int | None = None
+    sample_seconds: float = 1.0
+    queue_id: int | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode)
+        if not isinstance(self.min_depth, int) or self.min_depth < 1:
+            raise InvalidDefinition(
+                f"min_depth must be a whole number >= 1, not {self.min_depth!r}"
+            )
+        if self.max_readers is not None and (
+            not isinstance(self.max_readers, int) or self.max_readers < 1
+        ):
+            raise InvalidDefinition(
+                f"max_readers must be a whole number >= 1 or None, not {self.max_readers!r}"
+            )
+
+    def check(self) -> Fire | None:
+        """Observe the queue once; record and return a :class:`Fire` when the monitor fires."""
+        with self.broker.engine.begin() as conn:
+            return self._check(conn, utcnow())
+
+    def state(self) -> MonitorState:
+        """What this monitor recorded last (a fresh state if it never ran)."""
+        with self.broker.engine.connect() as conn:
+            row = queue_row(conn, self.queue)
+            return self._load(conn, row.queue_id) or MonitorState()
+
+    def _load(self, conn: Connection, queue_id: int) -> MonitorState | None:
+        row = conn.execute(
+            select(_a).where(_a.c.queue_id == queue_id, _a.c.monitor_key == self.key)
+        ).first()
+        if row is None:
+            return None
+        return MonitorState(
+            cursor=row.cursor,
+            fires=row.fires,
+            fired_at=aware(row.fired_at),
+            last_depth=row.last_depth,
+            observed_at=aware(row.observed_at),
+        )
+
+    def _check(self, conn: Connection, now: datetime) -> Fire | None:
+        qrow = queue_row(conn, self.queue)
+        queue_id = self.queue_id = qrow.queue_id
+        lock_queue(conn, queue_id)
+        state = self._load(conn, queue_id)
+        if state is None:
+            conn.execute(insert(_a).values(queue_id=queue_id, monitor_key=self.key, cursor=0))
+            state = MonitorState()
+        obs = observe(conn, qrow)
+        tidy(conn, queue_id, obs, now)
+        live, starting = counts(conn, queue_id)
+        max_readers = self.max_readers or obs.activation.max_readers
+        d = decide(
+            self.mode,
+            obs,
+            state,
+            running=live + starting,
+            max_readers=max_readers,
+            min_depth=self.min_depth,
+            now=now,
+            sample_seconds=self.sample_seconds,
+        )
+        mine = and_(_a.c.queue_id == queue_id, _a.c.monitor_key == self.key)
+        if not d.fire:
+            if d.sample and obs.depth != state.last_depth:
+                # An unchanged depth needs no new sample (an idle queue costs no writes).
+                conn.execute(update(_a).where(mine).values(last_depth=obs.depth, observed_at=now))
+            return None
+        cursor = max(state.cursor, obs.high_water or 0)
+        # Compare-and-set: only the monitor that read this cursor and fire count may fire.
+        won = conn.execute(
+            update(_a)
+            .where(mine, _a.c.cursor == state.cursor, _a.c.fires == state.fires)
+            .values(
+                cursor=cursor,
+                fires=state.fires + 1,
+                fired_at=now,
+                last_depth=obs.depth,
+                observed_at=now,
+            )
+        ).rowcount
+        if won != 1:
+            return None
+        fire_id: str | None = None
+        readers = max(d.readers, 1) if self.mode == "arrival" else 0
+        if self.mode == "arrival":
+            for _ in range(readers):
+                rid = uuid.uuid4()
+                conn.execute(
+                    insert(_r).values(
+                        reader_id=rid,
+                        queue_id=queue_id,
+                        monitor_key=self.key,
+                        cursor=cursor,
+                        fired_at=now,
+                    )
+                )
+                fire_id = str(rid)
+        return Fire(
+            queue=self.queue,
+            mode=self.mode,
+            monitor_key=self.key,
+            depth=obs.depth,
+            groups_ready=obs.groups_ready,
+            cursor=cursor,
+            readers=readers,
+            running=live + starting,
+            fire_id=fire_id,
+        )
+
+
+def due_step(broker: BrokerContext, every: float = 1.0) -> None:
+    """Run the broker's due work (timers, lifetimes, dead readers) at most every ``every``
+    seconds per :class:`Broker`: a monitor does it so that a timer on a queue nobody reads still
+    fires, and its DialogTimer message then activates a reader. Monitors also keep the queue
+    depth history (:func:`airflow_broker.operations.sampling.sample_step`, its own interval; never
+    raises).
+    """
+    now = time.monotonic()
+    if now >= broker.next_due_work:
+        broker.next_due_work = now + every
+        run_due(broker)
+    sample_step(broker)

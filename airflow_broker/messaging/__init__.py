@@ -1,0 +1,51 @@
+"""Messaging: Service Broker's verbs inside one broker database.
+
+- :mod:`~airflow_broker.messaging.transaction`: :class:`Transaction`, BEGIN DIALOG, SEND, RECEIVE
+  (with WAITFOR), GET CONVERSATION GROUP, END CONVERSATION, timers, MOVE CONVERSATION;
+- :mod:`~airflow_broker.messaging.delivery`: where a sent message goes in this database (the far
+  endpoint's queue, or the transmission queue with the reason it waits), contract rules and
+  priorities; :mod:`~airflow_broker.messaging.duework`: timers, lifetimes, dead readers and
+  waiting local transmissions when they fall due;
+- :mod:`~airflow_broker.messaging.definitions`: CREATE / ALTER / DROP of every object;
+- :mod:`~airflow_broker.messaging.events`: broker events and poison handling's rollback count;
+- :mod:`~airflow_broker.messaging.validation`: body encoding and message-type validation;
+- :mod:`~airflow_broker.messaging.objects`: the value objects handed out (Message, endpoints,
+  catalog rows); :mod:`~airflow_broker.messaging.arguments`: argument checks.
+
+Moving messages to other broker databases is :mod:`airflow_broker.transport`, above this layer.
+
+The lock order (PostgreSQL)
+    No message exists without its endpoint, and none is filed under a group its endpoint has
+    left: a conversation endpoint's row is the lock of everything stored for it.
+
+    0. The conversation group comes first, as in Service Broker: RECEIVE and GET CONVERSATION
+       GROUP lock it (skipping locked groups), END CONVERSATION and MOVE CONVERSATION wait for
+       it (MOVE for both groups, in id order) before they lock the endpoint. A reader that
+       answers or ends on what it received therefore never waits for an END that waits for it.
+    1. Whoever writes a message into an endpoint's queue holds a lock on that endpoint's row
+       taken before (or in the statement of) the write, and writes nothing if the row is gone:
+       SEND's fast path takes the far endpoint ``FOR KEY SHARE`` and reads its queue and group
+       from the locked row; the general path updates the far endpoint (its receive sequence)
+       before inserting; system messages and timers write to an endpoint they have just
+       updated; the inbound accept of delivery updates the receiving endpoint first.
+    2. Whoever changes its own endpoint (SEND's sequence numbers, END) takes ``FOR NO KEY
+       UPDATE``, which does not conflict with the far side's ``KEY SHARE``: the two sides of a
+       dialog still send at the same time without waiting for each other.
+    3. Whoever removes an endpoint or its messages (END CONVERSATION of every kind, the purge
+       of closed endpoints, DROP) or moves its messages (MOVE CONVERSATION) first takes ``FOR
+       UPDATE`` on it, which waits for every writer of rule 1; the messages they committed are
+       then visible to the removal. Several endpoints are locked in handle order.
+    4. A transaction that holds its own endpoint never waits for the far one: the general path
+       locks the far endpoint with SKIP LOCKED, and when another transaction holds it (the far
+       side is sending or ending too) the message waits in the transmission queue, behind
+       nothing and ahead of what follows, until due work delivers it. Both sides of a dialog
+       ENDing at once would otherwise deadlock. A far endpoint that has ended (DO, CD) takes no
+       more messages: an EndDialog or Error closes it, anything else is discarded.
+    5. SEND's fast path is one statement; when it had to wait for its sender's row, which
+       another SEND changed meanwhile, it hands over to the general path rather than act on
+       its older snapshot (which could not see that SEND's message waiting in the transmission
+       queue, and would overtake it).
+
+    On SQLite every broker transaction holds the database's only write lock from its first
+    statement (``BEGIN IMMEDIATE``), so writers and removers never interleave.
+"""

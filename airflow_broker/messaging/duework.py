@@ -1,0 +1,280 @@
+"""Due work: conversation timers, lifetimes, readers that died holding messages, waiting local
+transmissions and old closed endpoints."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import (
+    delete,
+    exists,
+    func,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.engine import Connection
+
+from airflow_broker.constants import (
+    DIALOG_TIMER,
+    END_DIALOG,
+    ERR_LIFETIME_EXPIRED,
+    ERROR,
+)
+from airflow_broker.messaging.delivery import Delivery, backoff
+from airflow_broker.messaging.events import record_rollbacks
+from airflow_broker.messaging.fast_send import endpoint_statement
+from airflow_broker.messaging.objects import (
+    error_body,
+)
+from airflow_broker.messaging.rows import to_endpoint
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import aware, utcnow
+
+if TYPE_CHECKING:
+    from airflow_broker.storage.context import BrokerContext
+
+log = logging.getLogger("airflow_broker")
+
+#: Closed endpoints are kept this long (duplicate detection, as Service Broker does), then purged.
+CLOSED_ENDPOINT_RETENTION = timedelta(minutes=30)
+
+
+@dataclass(frozen=True, slots=True)
+class DueReport:
+    """What one pass of :meth:`Broker.run_due` did."""
+
+    timers_fired: int = 0
+    lifetimes_expired: int = 0
+    rollbacks_counted: int = 0
+    queues_disabled: int = 0
+    transmissions_delivered: int = 0
+    endpoints_purged: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Due work: timers, lifetimes, dead readers, waiting local transmissions
+# ---------------------------------------------------------------------------------------------
+
+
+class DueWork:
+    BATCH = 500
+
+    def __init__(self, broker: BrokerContext, conn: Connection) -> None:
+        self.b = broker
+        self.conn = conn
+        self.instance_id = broker.instance_id_on(conn)
+        #: the earliest time something falls due after this pass (None: nothing scheduled)
+        self.next_due: datetime | None = None
+
+    def _due_handles(self, column: Any, now: datetime, extra: Any = None) -> Any:
+        e = s.conversation_endpoint
+        inner = select(e.c.conversation_handle).where(column <= now)
+        if extra is not None:
+            inner = inner.where(extra)
+        inner = inner.limit(self.BATCH)
+        if self.b.dialect == "postgresql":
+            inner = inner.with_for_update(skip_locked=True)
+        return e.c.conversation_handle.in_(inner.scalar_subquery())
+
+    def run(self, now: datetime, *, purge: bool = False) -> DueReport:
+        timers = self._fire_timers(now)
+        expired = self._expire_lifetimes(now)
+        counted, disabled = record_rollbacks(self.conn, self.b.adapter.reap_dead_leases(self.conn))
+        delivered = self._retry_local_transmissions(now)
+        purged = self._purge_closed(now) if purge else 0
+        self.next_due = self._next_due()
+        return DueReport(timers, expired, counted, disabled, delivered, purged)
+
+    def _next_due(self) -> datetime | None:
+        e, t = s.conversation_endpoint, s.transmission_queue
+        candidates = self.conn.execute(
+            select(
+                select(func.min(e.c.timer_due_at))
+                .where(e.c.timer_due_at.is_not(None))
+                .scalar_subquery(),
+                select(func.min(e.c.lifetime))
+                .where(e.c.lifetime.is_not(None), e.c.state.notin_(("ER", "CD")))
+                .scalar_subquery(),
+                select(func.min(t.c.next_attempt_at)).scalar_subquery(),
+            )
+        ).one()
+        found = [aware(c) for c in candidates if c is not None]
+        return min(found) if found else None  # type: ignore[type-var]
+
+    def _fire_timers(self, now: datetime) -> int:
+        e = s.conversation_endpoint
+        rows = self.conn.execute(
+            update(e)
+            .where(self._due_handles(e.c.timer_due_at, now))
+            .values(timer_due_at=None)
+            .returning(
+                e.c.conversation_handle,
+                e.c.conversation_group_id,
+                e.c.queue_id,
+                e.c.service_name,
+                e.c.contract_name,
+                e.c.priority,
+                e.c.state,
+                e.c.receive_sequence,
+            )
+        ).all()
+        fired = 0
+        for r in rows:
+            if r.state == "CD":
+                continue
+            self.conn.execute(to_endpoint(r, DIALOG_TIMER, 0, None, "E", now))
+            fired += 1
+        return fired
+
+    def _expire_lifetimes(self, now: datetime) -> int:
+        e = s.conversation_endpoint
+        rows = self.conn.execute(
+            update(e)
+            .where(self._due_handles(e.c.lifetime, now, e.c.state.notin_(("ER", "CD"))))
+            .values(state="ER", timer_due_at=None)
+            .returning(
+                e.c.conversation_handle,
+                e.c.conversation_group_id,
+                e.c.queue_id,
+                e.c.service_name,
+                e.c.contract_name,
+                e.c.priority,
+                e.c.receive_sequence,
+            )
+        ).all()
+        for r in rows:
+            self.conn.execute(
+                delete(s.transmission_queue).where(
+                    s.transmission_queue.c.conversation_handle == r.conversation_handle
+                )
+            )
+            self.conn.execute(
+                to_endpoint(
+                    r,
+                    ERROR,
+                    r.receive_sequence,
+                    error_body(ERR_LIFETIME_EXPIRED, "The conversation's lifetime has expired"),
+                    "X",
+                    now,
+                )
+            )
+            log.info("conversation %s expired (lifetime reached)", r.conversation_handle)
+        return len(rows)
+
+    def _retry_local_transmissions(self, now: datetime) -> int:
+        """Messages that waited for a local queue (disabled, or a service not yet created)."""
+        t = s.transmission_queue
+        stmt = (
+            select(t.c.conversation_handle)
+            .where(t.c.next_attempt_at <= now)
+            .where(
+                or_(t.c.to_broker_instance.is_(None), t.c.to_broker_instance == self.instance_id)
+            )
+            .where(t.c.to_service_name.in_(select(s.service.c.name)))
+            .group_by(t.c.conversation_handle)
+            # the conversation waiting longest first (a retried row keeps its enqueued_at)
+            .order_by(func.min(t.c.enqueued_at), func.min(t.c.id))
+            .limit(self.BATCH)
+        )
+        handles = self.conn.execute(stmt).scalars().all()
+        delivered = 0
+        for handle in handles:
+            delivered += self.flush_conversation(handle, now)
+        return delivered
+
+    def flush_conversation(self, handle: uuid.UUID, now: datetime) -> int:
+        t = s.transmission_queue
+        pending = self.conn.execute(
+            select(t).where(t.c.conversation_handle == handle).order_by(t.c.message_sequence_number)
+        ).all()
+        delivery = Delivery(self.b, self.conn)
+        delivered = 0
+        for msg in pending:
+            sender = self.conn.execute(
+                endpoint_statement(self.b.dialect), {"handles": [handle]}
+            ).first()
+            if sender is None or (
+                sender.state in ("ER", "CD") and msg.message_type_name not in (END_DIALOG, ERROR)
+            ):
+                # A closed side's own END (EndDialog, or Error WITH ERROR) still goes out.
+                break
+            # Take the message out first; routing it again re-queues it if it still cannot go.
+            # Another process's pass may have taken it meanwhile (the DELETE waited for its
+            # commit and found nothing): then it is delivered already, and so are the rest.
+            if self.conn.execute(delete(t).where(t.c.id == msg.id)).rowcount != 1:
+                break
+            sender_now = {**sender._mapping, "has_pending": False}
+            went = delivery.route(
+                RowView(sender_now),
+                msg.message_type_name,
+                msg.message_sequence_number,
+                msg.message_body,
+                msg.validation,
+                now,
+            )
+            if not went:
+                # Still cannot go: keep the original order, back off, and stop for this dialog.
+                self.conn.execute(
+                    update(t)
+                    .where(
+                        t.c.conversation_handle == handle,
+                        t.c.message_sequence_number == msg.message_sequence_number,
+                    )
+                    .values(
+                        attempts=msg.attempts + 1,
+                        enqueued_at=msg.enqueued_at,
+                        next_attempt_at=now + backoff(msg.attempts + 2),
+                    )
+                )
+                # The re-queued row has a new id; later rows keep theirs, and sequence numbers
+                # (not ids) give the order.
+                break
+            delivered += 1
+        return delivered
+
+    def _purge_closed(self, now: datetime) -> int:
+        e = s.conversation_endpoint
+        old = select(e.c.conversation_handle).where(
+            e.c.state == "CD", e.c.closed_at <= now - CLOSED_ENDPOINT_RETENTION
+        )
+        if self.b.dialect == "postgresql":
+            # The lock order: an endpoint is removed only under its FOR UPDATE lock (a writer
+            # into its queue holds KEY SHARE: skip it, the next pass purges it).
+            old = old.with_for_update(skip_locked=True)
+        handles = self.conn.execute(old).scalars().all()
+        if not handles:
+            return 0
+        m = s.message
+        self.conn.execute(delete(m).where(m.c.conversation_handle.in_(handles)))
+        result = self.conn.execute(delete(e).where(e.c.conversation_handle.in_(handles)))
+        g = s.conversation_group
+        self.conn.execute(
+            delete(g).where(
+                ~exists().where(e.c.conversation_group_id == g.c.conversation_group_id),
+            )
+        )
+        return result.rowcount or 0
+
+
+class RowView:
+    """Attribute access over a mapping (a sender row with some columns replaced)."""
+
+    def __init__(self, mapping: Any) -> None:
+        self.__dict__.update(mapping)
+
+
+def run_due(broker: BrokerContext) -> DueReport:
+    """Fire due conversation timers, expire lifetimes, count the rollbacks of readers that died
+    holding messages, retry waiting local transmissions and purge old closed endpoints, in one
+    transaction; tell ``broker``'s due clock when something next falls due."""
+    with broker.engine.begin() as conn:
+        work = DueWork(broker, conn)
+        report = work.run(utcnow(), purge=True)
+    if work.next_due is not None:
+        broker.note_due(work.next_due)
+    return report

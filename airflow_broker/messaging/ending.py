@@ -1,0 +1,140 @@
+"""END CONVERSATION: plain, WITH ERROR, WITH CLEANUP, and the system messages it sends."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    delete,
+    select,
+    update,
+)
+
+from airflow_broker.constants import (
+    END_DIALOG,
+    ERROR,
+    state_desc,
+)
+from airflow_broker.errors import (
+    ConversationEnded,
+    InvalidDefinition,
+)
+from airflow_broker.messaging.arguments import Handle, as_uuid
+from airflow_broker.messaging.delivery import Delivery
+from airflow_broker.messaging.objects import (
+    error_body,
+)
+from airflow_broker.messaging.tx_core import TransactionCore
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import utcnow
+
+log = logging.getLogger("airflow_broker")
+
+
+class Ending(TransactionCore):
+    """END CONVERSATION of a :class:`Transaction`."""
+
+    # -- END CONVERSATION ----------------------------------------------------------------------
+    def end_conversation(
+        self,
+        handle: Handle,
+        error_code: int | None = None,
+        error_description: str | None = None,
+        cleanup: bool = False,
+    ) -> None:
+        """END CONVERSATION (plain, WITH ERROR, or WITH CLEANUP)."""
+        h = as_uuid(handle, "conversation handle")
+        if error_code is not None and cleanup:
+            raise InvalidDefinition("END CONVERSATION takes WITH ERROR or WITH CLEANUP, not both")
+        if error_code is not None:
+            if not isinstance(error_code, int) or isinstance(error_code, bool):
+                raise InvalidDefinition(f"error_code must be an integer, not {error_code!r}")
+            if not isinstance(error_description, str) or not error_description:
+                raise InvalidDefinition("END CONVERSATION WITH ERROR needs an error_description")
+        if self.broker.dialect == "postgresql":
+            # The lock order: the group (rule 0), then the endpoint FOR UPDATE (rule 3), which
+            # waits for every writer into its queue (they hold KEY SHARE): the messages they
+            # committed are then seen, and removed with the endpoint or with this side's END.
+            self._lock_groups_of(h)
+            self._execute(
+                select(s.conversation_endpoint.c.conversation_handle)
+                .where(s.conversation_endpoint.c.conversation_handle == h)
+                .with_for_update()
+            )
+        row = self._endpoint_row(h)
+        e = s.conversation_endpoint
+        now = utcnow()
+        self._dirty = True
+        if cleanup:
+            self._execute(delete(s.message).where(s.message.c.conversation_handle == h))
+            self._execute(delete(e).where(e.c.conversation_handle == h))
+            log.info("conversation %s removed WITH CLEANUP", h)
+            return
+        if row.state in ("CD", "DO"):
+            raise ConversationEnded(
+                f"conversation {h} has already ended on this side "
+                f"({row.state}: {state_desc(row.state)})"
+            )
+        # Messages of this conversation still in this side's queue go with it.
+        self._execute(delete(s.message).where(s.message.c.conversation_handle == h))
+        closed = {"state": "CD", "closed_at": now, "timer_due_at": None}
+        if error_code is not None:
+            self._execute(
+                delete(s.transmission_queue).where(s.transmission_queue.c.conversation_handle == h)
+            )
+            row = self._endpoint_row(h)
+            self._execute(update(e).where(e.c.conversation_handle == h).values(**closed))
+            if row.state not in ("DI", "ER") and self._far_exists(row):
+                self._system_send(row, ERROR, error_body(error_code, error_description or ""), now)
+            return
+        if (
+            row.state == "DI"
+            and row.far_handle is None
+            and row.far_broker_instance
+            not in (
+                None,
+                self.broker.instance_id_on(self.connection),
+            )
+        ):
+            # The far side, in another broker, ended first and waits (DO) for this END.
+            self._execute(update(e).where(e.c.conversation_handle == h).values(**closed))
+            self._system_send(row, END_DIALOG, None, now)
+            return
+        if row.state in ("DI", "ER") or not self._far_exists(row):
+            # The far side has ended (or errored), or was never told of this dialog.
+            self._execute(update(e).where(e.c.conversation_handle == h).values(**closed))
+            if row.state == "DI" and row.far_handle is not None:
+                self._execute(
+                    update(e)
+                    .where(e.c.conversation_handle == row.far_handle, e.c.state == "DO")
+                    .values(**closed)
+                )
+            return
+        self._execute(
+            update(e).where(e.c.conversation_handle == h).values(state="DO", timer_due_at=None)
+        )
+        self._system_send(row, END_DIALOG, None, now)
+
+    def _far_exists(self, row: Any) -> bool:
+        """Whether the far side knows of this dialog (or will: messages are on their way). A
+        target's far side always does: it began the dialog (in another broker, the target's
+        endpoint has no far handle and may have sent nothing)."""
+        return (
+            not row.is_initiator
+            or row.far_handle is not None
+            or bool(row.has_pending)
+            or row.send_sequence > 0
+        )
+
+    def _system_send(self, row: Any, message_type: str, body: bytes | None, now: datetime) -> None:
+        e = s.conversation_endpoint
+        seq = row.send_sequence
+        self._execute(
+            update(e)
+            .where(e.c.conversation_handle == row.conversation_handle)
+            .values(send_sequence=seq + 1)
+        )
+        validation = "X" if body is not None else "E"
+        Delivery(self.broker, self.connection).route(row, message_type, seq, body, validation, now)

@@ -1,0 +1,204 @@
+"""RECEIVE and GET CONVERSATION GROUP: take one conversation group's messages, waiting if asked.
+
+The claim itself is one statement (:mod:`airflow_broker.storage.queries`); this module adds
+the WAITFOR (LISTEN on PostgreSQL, ``PRAGMA data_version`` polling on SQLite), the due-work step
+RECEIVE takes as it polls, and the lease that lets poison handling count readers that die.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import (
+    Row,
+)
+
+from airflow_broker import metrics
+from airflow_broker.constants import (
+    STATUS_READY,
+)
+from airflow_broker.errors import (
+    InvalidDefinition,
+)
+from airflow_broker.messaging.arguments import Handle, as_uuid
+from airflow_broker.messaging.duework import DueWork
+from airflow_broker.messaging.objects import (
+    Message,
+)
+from airflow_broker.messaging.tx_core import DUE_POLL_SECONDS, MAX_WAIT_SLICE, TransactionCore
+from airflow_broker.storage import queries
+from airflow_broker.storage.clock import utcnow
+
+log = logging.getLogger("airflow_broker")
+
+
+class Receiving(TransactionCore):
+    """RECEIVE and GET CONVERSATION GROUP of a :class:`Transaction`."""
+
+    # -- RECEIVE -------------------------------------------------------------------------------
+    def receive(
+        self,
+        queue: str,
+        top: int | None = None,
+        conversation_handle: Handle | None = None,
+        conversation_group: Handle | None = None,
+        wait_seconds: float = 0,
+    ) -> list[Message]:
+        """RECEIVE from ``queue``: messages of one conversation group, whose lock this
+        transaction then holds until it ends.
+
+        :param top: at most this many messages (default: all ready messages of the group).
+        :param conversation_handle: only from this conversation.
+        :param conversation_group: only from this conversation group.
+        :param wait_seconds: wait up to this long for messages (WAITFOR); 0 returns at once.
+        """
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
+            raise InvalidDefinition(f"top must be a whole number >= 1, not {top!r}")
+        if conversation_handle is not None and conversation_group is not None:
+            raise InvalidDefinition("give conversation_handle or conversation_group, not both")
+        q = self._queue(queue)
+        params: dict[str, Any] = {
+            "queue_id": q.queue_id,
+            "top": top if top is not None else queries.no_limit(self.broker.dialect),
+        }
+        if conversation_handle is not None:
+            params["handle"] = as_uuid(conversation_handle, "conversation handle")
+        if conversation_group is not None:
+            params["group_id"] = as_uuid(conversation_group, "conversation group")
+        adapter = self.broker.adapter
+        lease = self._leases.get(q.queue_id)
+        key = lease.key if lease is not None else adapter.new_lease_key()
+        # PostgreSQL: the claim itself writes the commit marker of this transaction's lease.
+        mark = bool(q.poison_message_handling) and self.broker.dialect == "postgresql"
+        if mark:
+            params["lease_key"] = key
+        by_handle, by_group = conversation_handle is not None, conversation_group is not None
+        stmt = queries.claim_statement(
+            self.broker.dialect,
+            by_handle=by_handle,
+            by_group=by_group,
+            retention=q.retention,
+            mark=mark,
+        )
+
+        def claim() -> list[Any]:
+            rows: list[Any] = self._execute(stmt, params).all()
+            if rows:
+                return rows
+            self._raise_if_disabled(q)
+            if self.broker.dialect != "postgresql":
+                return rows
+            ready = queries.ready_exists_statement(by_handle=by_handle, by_group=by_group)
+            for _ in range(queries.CLAIM_ATTEMPTS - 1):
+                if self._execute(ready, params).first() is None:
+                    break
+                rows = self._execute(stmt, params).all()
+                if rows:
+                    break
+            return rows
+
+        rows = self._wait_for(q, wait_seconds, claim)
+        if not rows:
+            return []
+        self._dirty = True
+        if metrics.enabled():
+            self._received[q.name] = self._received.get(q.name, 0) + len(rows)
+        if q.poison_message_handling and lease is None:
+            self._leases[q.queue_id] = adapter.open_lease(self.connection, q.queue_id, key)
+        rows.sort(
+            key=lambda r: (
+                -r.priority,
+                r.precedence,
+                r.conversation_handle,
+                r.message_sequence_number,
+            )
+        )
+        return [
+            Message(
+                status=STATUS_READY,
+                priority=r.priority,
+                queuing_order=r.queuing_order,
+                conversation_group_id=r.conversation_group_id,
+                conversation_handle=r.conversation_handle,
+                message_sequence_number=r.message_sequence_number,
+                service_name=r.service_name,
+                service_contract_name=r.service_contract_name,
+                message_type_name=r.message_type_name,
+                validation=r.validation,
+                message_body=r.message_body,
+            )
+            for r in rows
+        ]
+
+    def get_conversation_group(self, queue: str, wait_seconds: float = 0) -> uuid.UUID | None:
+        """GET CONVERSATION GROUP: lock the next group with ready messages and return its id
+        (None when there is none within ``wait_seconds``)."""
+        q = self._queue(queue)
+        stmt = queries.lock_group_statement(self.broker.dialect)
+
+        def lock_group() -> list[Any]:
+            rows: list[Any] = self._execute(stmt, {"queue_id": q.queue_id}).all()
+            if not rows:
+                self._raise_if_disabled(q)
+            return rows
+
+        rows = self._wait_for(q, wait_seconds, lock_group)
+        if not rows:
+            return None
+        self._dirty = True
+        group: uuid.UUID = rows[0].conversation_group_id
+        return group
+
+    def _wait_for(
+        self, q: Row[Any], wait_seconds: float, attempt: Callable[[], list[Any]]
+    ) -> list[Any]:
+        """Run ``attempt`` until it finds something or ``wait_seconds`` pass, sleeping on the
+        engine's wake-up signal in between and doing due work (timers, lifetimes) as it goes."""
+        if not isinstance(wait_seconds, int | float) or wait_seconds < 0:
+            raise InvalidDefinition(f"wait_seconds must be >= 0, not {wait_seconds!r}")
+        self._due_step(force=False)
+        rows = attempt()
+        if rows or wait_seconds <= 0:
+            return rows
+        deadline = time.monotonic() + wait_seconds
+        adapter = self.broker.adapter
+        state = adapter.start_wait(self.connection, q.queue_id, can_release=not self._dirty)
+        try:
+            while True:
+                rows = attempt()
+                if rows:
+                    return rows
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                adapter.wait(self.connection, state, min(remaining, MAX_WAIT_SLICE))
+                self._due_step(force=False)
+        finally:
+            adapter.end_wait(state)
+
+    def _due_step(self, *, force: bool) -> None:
+        b = self.broker
+        if not force and time.monotonic() < b.next_due_work:
+            return
+        b.next_due_work = time.monotonic() + DUE_POLL_SECONDS
+        if b.dialect == "postgresql":
+            # In a short transaction of its own: a timer fires once, whatever this one does.
+            with b.engine.begin() as conn:
+                work = DueWork(b, conn)
+                work.run(utcnow())
+        elif self._dirty:
+            # SQLite: this transaction holds the only write lock; do it inside it.
+            work = DueWork(b, self.connection)
+            work.run(utcnow())
+        else:
+            # Nothing of the caller's is in this transaction yet: commit the due work on its own,
+            # so that a waiting RECEIVE that later gives the write lock back does not undo it.
+            work = DueWork(b, self.connection)
+            work.run(utcnow())
+            self.connection.commit()
+        if work.next_due is not None:
+            b.note_due(work.next_due)

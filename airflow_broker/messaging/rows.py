@@ -1,0 +1,93 @@
+"""The rows a message becomes: its INSERT into a queue, and its precedence within a dialog.
+
+A receiver sees a dialog's DialogTimer first, then an Error, then the rest in order: the
+``precedence`` column orders them ahead of the sequence number.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    insert,
+)
+
+from airflow_broker.constants import (
+    DIALOG_TIMER,
+    ERROR,
+    PRECEDENCE_ERROR,
+    PRECEDENCE_NORMAL,
+    PRECEDENCE_TIMER,
+    STATUS_READY,
+)
+from airflow_broker.storage import schema as s
+
+
+def precedence(message_type: str) -> int:
+    if message_type == DIALOG_TIMER:
+        return PRECEDENCE_TIMER
+    if message_type == ERROR:
+        return PRECEDENCE_ERROR
+    return PRECEDENCE_NORMAL
+
+
+def insert_message(
+    *,
+    queue_id: int,
+    group_id: uuid.UUID,
+    handle: uuid.UUID,
+    seq: int,
+    priority: int,
+    service_name: str,
+    contract: str,
+    message_type: str,
+    validation: str,
+    body: bytes | None,
+    now: datetime,
+    status: int = STATUS_READY,
+) -> Any:
+    """The INSERT of one message into a queue."""
+    return insert(s.message).values(
+        queue_id=queue_id,
+        conversation_group_id=group_id,
+        conversation_handle=handle,
+        message_sequence_number=seq,
+        status=status,
+        priority=priority,
+        precedence=precedence(message_type),
+        service_name=service_name,
+        service_contract_name=contract,
+        message_type_name=message_type,
+        validation=validation,
+        message_body=body,
+        enqueued_at=now,
+    )
+
+
+def to_endpoint(
+    endpoint: Any,
+    message_type: str,
+    seq: int,
+    body: bytes | None,
+    validation: str,
+    now: datetime,
+    status: int = STATUS_READY,
+) -> Any:
+    """The INSERT of a message into an endpoint's own queue: an Error or DialogTimer for this
+    side, or (status 3) the retained copy of a message it sent."""
+    return insert_message(
+        queue_id=endpoint.queue_id,
+        group_id=endpoint.conversation_group_id,
+        handle=endpoint.conversation_handle,
+        seq=seq,
+        priority=endpoint.priority,
+        service_name=endpoint.service_name,
+        contract=endpoint.contract_name,
+        message_type=message_type,
+        validation=validation,
+        body=body,
+        now=now,
+        status=status,
+    )

@@ -1,0 +1,449 @@
+"""The messaging transaction: BEGIN DIALOG, SEND, RECEIVE, END CONVERSATION and friends.
+
+:class:`Transaction` puts together the shared core (:mod:`~airflow_broker.messaging.tx_core`),
+RECEIVE (:mod:`~airflow_broker.messaging.receiving`) and END CONVERSATION
+(:mod:`~airflow_broker.messaging.ending`); BEGIN DIALOG, SEND, conversation timers, MOVE
+CONVERSATION and the endpoint view are here.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    func,
+    insert,
+    select,
+    update,
+)
+
+from airflow_broker.constants import (
+    DEFAULT,
+    SENDABLE_STATES,
+    STATUS_RETAINED_SENT,
+    SYSTEM_MESSAGE_TYPES,
+    state_desc,
+)
+from airflow_broker.errors import (
+    BrokerError,
+    ContractViolation,
+    ConversationEnded,
+    InvalidDefinition,
+    MessageValidationError,
+    UnknownObject,
+)
+from airflow_broker.messaging.arguments import Handle, as_name, as_uuid
+from airflow_broker.messaging.delivery import Delivery
+from airflow_broker.messaging.ending import Ending
+from airflow_broker.messaging.fast_send import (
+    SEND_MANY_PG,
+    SEND_ONE_PG,
+    endpoint_statement,
+    far_endpoints_unchanged,
+    on_fast_path,
+    send_fast,
+)
+from airflow_broker.messaging.lookups import contract_rule, message_type_def, priority_for
+from airflow_broker.messaging.objects import (
+    ConversationEndpoint,
+)
+from airflow_broker.messaging.receiving import Receiving
+from airflow_broker.messaging.rows import precedence, to_endpoint
+from airflow_broker.messaging.validation import (
+    VALIDATION_CODES,
+    encode_body,
+    validate_body,
+)
+from airflow_broker.storage import bulk
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import aware, utcnow
+
+log = logging.getLogger("airflow_broker")
+
+
+class Transaction(Receiving, Ending):
+    """A messaging transaction: BEGIN DIALOG, SEND, RECEIVE, END CONVERSATION and friends.
+
+    Use as a context manager: it commits when the block ends and rolls back when it raises.
+    Messages received in a transaction that rolls back return to their queue, and the rollback
+    counts towards the queue's poison-message handling. ``tx.connection`` is the SQLAlchemy
+    connection of this transaction, for application state that must commit with the messages.
+    """
+
+    # -- BEGIN DIALOG --------------------------------------------------------------------------
+    def begin_dialog(
+        self,
+        from_service: str,
+        to_service: str,
+        contract: str = DEFAULT,
+        broker_instance: str | None = None,
+        lifetime_seconds: int | None = None,
+        related_conversation: Handle | None = None,
+        related_conversation_group: Handle | None = None,
+    ) -> uuid.UUID:
+        """BEGIN DIALOG CONVERSATION from a local service; returns the conversation handle.
+
+        The target need not be reachable yet: the first SEND waits in the transmission queue
+        until a route reaches ``to_service``."""
+        as_name(to_service, "target service")
+        if related_conversation is not None and related_conversation_group is not None:
+            raise InvalidDefinition(
+                "give related_conversation or related_conversation_group, not both"
+            )
+        if lifetime_seconds is not None and (
+            not isinstance(lifetime_seconds, int | float) or lifetime_seconds <= 0
+        ):
+            raise InvalidDefinition(
+                f"lifetime_seconds must be a positive number, not {lifetime_seconds!r}"
+            )
+        if broker_instance is not None:
+            broker_instance = str(as_uuid(broker_instance, "broker_instance"))
+        svc = self._execute(
+            select(s.service.c.queue_id).where(s.service.c.name == from_service)
+        ).first()
+        if svc is None:
+            raise UnknownObject(f"service {from_service!r} is not a local service of this broker")
+        if (
+            self._execute(select(s.contract.c.name).where(s.contract.c.name == contract)).first()
+            is None
+        ):
+            raise UnknownObject(f"contract {contract!r} does not exist in this broker")
+
+        group: uuid.UUID | None = None
+        new_group = True
+        if related_conversation is not None:
+            rel = as_uuid(related_conversation, "related_conversation")
+            row = self._execute(
+                select(
+                    s.conversation_endpoint.c.conversation_group_id,
+                    s.conversation_endpoint.c.queue_id,
+                ).where(s.conversation_endpoint.c.conversation_handle == rel)
+            ).first()
+            if row is None:
+                raise UnknownObject(f"related conversation {rel} does not exist in this broker")
+            if row.queue_id != svc.queue_id:
+                raise InvalidDefinition(
+                    f"related conversation {rel} is on another queue than service {from_service!r}"
+                )
+            group, new_group = row.conversation_group_id, False
+        elif related_conversation_group is not None:
+            group = as_uuid(related_conversation_group, "related_conversation_group")
+            row = self._execute(
+                select(s.conversation_group.c.queue_id).where(
+                    s.conversation_group.c.conversation_group_id == group
+                )
+            ).first()
+            if row is not None:
+                if row.queue_id != svc.queue_id:
+                    raise InvalidDefinition(
+                        f"conversation group {group} is on another queue than service "
+                        f"{from_service!r}"
+                    )
+                new_group = False
+        if group is None:
+            group = uuid.uuid4()
+        now = utcnow()
+        handle = uuid.uuid4()
+        self._dirty = True
+        if new_group:
+            self._execute(
+                insert(s.conversation_group).values(
+                    conversation_group_id=group, queue_id=svc.queue_id
+                )
+            )
+        self._execute(
+            insert(s.conversation_endpoint).values(
+                conversation_handle=handle,
+                conversation_id=uuid.uuid4(),
+                is_initiator=True,
+                conversation_group_id=group,
+                queue_id=svc.queue_id,
+                service_name=from_service,
+                far_service=to_service,
+                far_broker_instance=broker_instance,
+                far_handle=None,
+                contract_name=contract,
+                state="SO",
+                priority=priority_for(
+                    self.broker, self.connection, contract, from_service, to_service
+                ),
+                lifetime=now + timedelta(seconds=lifetime_seconds) if lifetime_seconds else None,
+                send_sequence=0,
+                receive_sequence=0,
+                created_at=now,
+            )
+        )
+        if lifetime_seconds:
+            self.broker.note_due(now + timedelta(seconds=lifetime_seconds))
+        return handle
+
+    # -- SEND ----------------------------------------------------------------------------------
+    def send(
+        self, handles: Handle | Sequence[Handle], message_type: str = DEFAULT, body: Any = None
+    ) -> None:
+        """SEND ON CONVERSATION one message on one or several conversations, atomically: either
+        every conversation gets it or (on any error) none does."""
+        if isinstance(handles, uuid.UUID | str):
+            handle_list = [as_uuid(handles, "conversation handle")]
+        else:
+            handle_list = [as_uuid(h, "conversation handle") for h in handles]
+        if not handle_list:
+            raise InvalidDefinition("SEND needs at least one conversation handle")
+        if len(set(handle_list)) != len(handle_list):
+            raise InvalidDefinition("SEND names the same conversation handle twice")
+        if message_type in SYSTEM_MESSAGE_TYPES:
+            raise ContractViolation(
+                f"message type {message_type!r} is a system message type: the broker sends it"
+            )
+        payload = encode_body(body)
+        now = utcnow()
+        rest = self._send_fast(handle_list, message_type, payload, now)
+        try:
+            if rest:
+                self._send_general(rest, message_type, payload, now)
+        except BaseException as exc:
+            if len(rest) < len(handle_list):
+                # Sent on some already: a SEND on several conversations reaches all or none.
+                self._doomed = (
+                    f"SEND on {len(handle_list)} conversations reached only "
+                    f"{len(handle_list) - len(rest)}: {exc}; this transaction must roll back"
+                )
+            raise
+        self._sent += len(handle_list)
+
+    def _send_general(
+        self, handle_list: list[uuid.UUID], message_type: str, payload: bytes | None, now: datetime
+    ) -> None:
+        """SEND by the general path: every check with its precise error, then the writes."""
+        rows = self._senders(handle_list)
+        checked: list[tuple[Any, str]] = []
+        validated: set[tuple[str, Any]] = set()
+        for h in handle_list:
+            row = rows.get(h)
+            if row is None:
+                raise UnknownObject(f"conversation handle {h} does not exist in this broker")
+            self._check_sendable(row, now)
+            sent_by, validation, schema_ = contract_rule(
+                self.broker, self.connection, row.contract_name, message_type
+            )
+            side = "initiator" if row.is_initiator else "target"
+            if sent_by not in (side, "any"):
+                raise ContractViolation(
+                    f"contract {row.contract_name!r} lets only the {sent_by} send message type "
+                    f"{message_type!r}; conversation {h} is the {side} side"
+                )
+            if (validation, message_type) not in validated:
+                validate_body(message_type, validation, schema_, payload)
+                validated.add((validation, message_type))
+            checked.append((row, VALIDATION_CODES[validation]))
+        self._dirty = True
+        fast = [row for row, _ in checked if on_fast_path(row)]
+        if fast:
+            send_fast(
+                self.connection,
+                self.broker.dialect,
+                fast,
+                message_type,
+                payload,
+                checked[0][1],
+                now,
+            )
+        # Each conversation is routed once; what waits for another broker (or a queue) is
+        # written in one statement, as are the senders' new sequence numbers.
+        # (Sequence numbers first: routing may fail a conversation, and that must stand.)
+        general = [(row, code) for row, code in checked if not on_fast_path(row)]
+        bulk.update_rows(
+            self.connection,
+            s.conversation_endpoint,
+            "conversation_handle",
+            [
+                {
+                    "conversation_handle": row.conversation_handle,
+                    "send_sequence": row.send_sequence + 1,
+                    "state": "CO" if row.state == "SO" else row.state,
+                }
+                for row, _ in general
+            ],
+        )
+        delivery = Delivery(self.broker, self.connection, batch=True)
+        for row, code in general:
+            if row.own_retention:
+                self._retain_sent(row, message_type, row.send_sequence, payload, code, now)
+            delivery.route(row, message_type, row.send_sequence, payload, code, now)
+        delivery.flush()
+
+    def _senders(self, handles: list[uuid.UUID]) -> dict[uuid.UUID, Any]:
+        """The sending endpoints (locked), with the far endpoints of local dialogs locked FOR
+        KEY SHARE as the lock order asks: read again when a far endpoint was removed or moved
+        between the read and its lock (the second read sees it, and nothing can change it
+        any more)."""
+        stmt = endpoint_statement(self.broker.dialect)
+        if self.broker.dialect == "postgresql":
+            # A locking read that waited re-reads the locked rows but not its subqueries (what
+            # waits in the transmission queue): the reads below, once the locks are held, see
+            # everything committed before.
+            self._execute(stmt, {"handles": handles})
+        for _ in range(3):
+            rows = {r.conversation_handle: r for r in self._execute(stmt, {"handles": handles})}
+            if self.broker.dialect != "postgresql" or far_endpoints_unchanged(
+                self.connection, list(rows.values())
+            ):
+                return rows
+        raise BrokerError(
+            f"the far endpoints of conversations {handles} kept changing while SEND locked them"
+        )
+
+    def _send_fast(
+        self, handles: list[uuid.UUID], message_type: str, payload: bytes | None, now: datetime
+    ) -> list[uuid.UUID]:
+        """PostgreSQL: SEND in one statement when every conversation is on the fast path.
+        Returns the conversations still to send on by the general path: all of them when the
+        statement wrote nothing, the few another transaction changed meanwhile, or none."""
+        if self.broker.dialect != "postgresql":
+            return handles
+        mtype = message_type_def(self.broker, self.connection, message_type)
+        if mtype is None:
+            return handles
+        validation, json_schema = mtype
+        try:
+            validate_body(message_type, validation, json_schema, payload)
+        except MessageValidationError:
+            return handles  # the general path raises it, after the checks that come first
+        params = {
+            "now": now,
+            "message_type": message_type,
+            "precedence": precedence(message_type),
+            "validation": VALIDATION_CODES[validation],
+            "body": payload,
+        }
+        if len(handles) == 1:
+            row = self._execute(SEND_ONE_PG, {**params, "handle": handles[0]}).first()
+            return handles if row is None else []
+        sent = set(
+            self._execute(SEND_MANY_PG, {**params, "handles": handles, "n": len(handles)}).scalars()
+        )
+        if sent:
+            self._dirty = True
+        return [h for h in handles if h not in sent]
+
+    def _check_sendable(self, row: Any, now: datetime) -> None:
+        lifetime = aware(row.lifetime)
+        if row.state not in SENDABLE_STATES:
+            raise ConversationEnded(
+                f"conversation {row.conversation_handle} is {row.state} "
+                f"({state_desc(row.state)}): nothing more can be sent on it"
+            )
+        if lifetime is not None and lifetime <= now:
+            raise ConversationEnded(
+                f"conversation {row.conversation_handle} has expired (lifetime ended {lifetime})"
+            )
+
+    def _retain_sent(
+        self, row: Any, message_type: str, seq: int, payload: bytes | None, code: str, now: datetime
+    ) -> None:
+        self._execute(
+            to_endpoint(row, message_type, seq, payload, code, now, status=STATUS_RETAINED_SENT)
+        )
+
+    # -- timers, groups, endpoints -------------------------------------------------------------
+    def begin_conversation_timer(self, handle: Handle, timeout_seconds: float) -> None:
+        """BEGIN CONVERSATION TIMER: a DialogTimer message arrives on this side's queue after
+        ``timeout_seconds``. One timer per endpoint: setting it again re-arms it."""
+        h = as_uuid(handle, "conversation handle")
+        if (
+            not isinstance(timeout_seconds, int | float)
+            or isinstance(timeout_seconds, bool)
+            or timeout_seconds < 0
+        ):
+            raise InvalidDefinition(f"timeout_seconds must be >= 0, not {timeout_seconds!r}")
+        row = self._endpoint_row(h)
+        if row.state in ("CD", "ER", "DO"):
+            raise ConversationEnded(f"conversation {h} has ended ({row.state}): no timer on it")
+        e = s.conversation_endpoint
+        self._dirty = True
+        due = utcnow() + timedelta(seconds=timeout_seconds)
+        self._execute(update(e).where(e.c.conversation_handle == h).values(timer_due_at=due))
+        self.broker.note_due(due)
+
+    def move_conversation(self, handle: Handle, to_conversation_group: Handle) -> None:
+        """MOVE CONVERSATION into another conversation group on the same queue."""
+        h = as_uuid(handle, "conversation handle")
+        g = as_uuid(to_conversation_group, "conversation group")
+        target = self._execute(
+            select(s.conversation_group.c.queue_id).where(
+                s.conversation_group.c.conversation_group_id == g
+            )
+        ).first()
+        if target is None:
+            raise UnknownObject(f"conversation group {g} does not exist in this broker")
+        if self.broker.dialect == "postgresql":
+            # Both groups first (rule 0 of the lock order), then the endpoint.
+            self._lock_groups_of(h, g)
+        row = self._endpoint_row(h)
+        if target.queue_id != row.queue_id:
+            raise InvalidDefinition(
+                f"conversation group {g} is on another queue than conversation {h}"
+            )
+        self._dirty = True
+        e = s.conversation_endpoint
+        if self.broker.dialect == "postgresql":
+            # The lock order: moving an endpoint's messages waits for writers into its queue
+            # (KEY SHARE), so none of them files a message under the old group afterwards.
+            self._execute(
+                select(e.c.conversation_handle)
+                .where(e.c.conversation_handle == h)
+                .with_for_update()
+            )
+        self._execute(update(e).where(e.c.conversation_handle == h).values(conversation_group_id=g))
+        self._execute(
+            update(s.message)
+            .where(s.message.c.conversation_handle == h)
+            .values(conversation_group_id=g)
+        )
+
+    def conversation(self, handle: Handle) -> ConversationEndpoint:
+        """The local endpoint of a conversation."""
+        h = as_uuid(handle, "conversation handle")
+        e = s.conversation_endpoint
+        f = e.alias("f")
+        t = s.transmission_queue
+        # A far endpoint in this database does not record what it was sent (see delivery.py):
+        # what arrived is what it sent, less what still waits in its transmission queue.
+        arrived = (
+            select(
+                f.c.send_sequence
+                - select(func.count())
+                .where(t.c.conversation_handle == f.c.conversation_handle)
+                .scalar_subquery()
+            )
+            .where(f.c.conversation_handle == e.c.far_handle)
+            .scalar_subquery()
+        )
+        row = self._execute(
+            select(e, s.queue.c.name.label("queue_name"), arrived.label("arrived"))
+            .join(s.queue, s.queue.c.queue_id == e.c.queue_id)
+            .where(e.c.conversation_handle == h)
+        ).first()
+        if row is None:
+            raise UnknownObject(f"conversation handle {h} does not exist in this broker")
+        return ConversationEndpoint(
+            conversation_handle=row.conversation_handle,
+            conversation_id=row.conversation_id,
+            conversation_group_id=row.conversation_group_id,
+            is_initiator=row.is_initiator,
+            service_name=row.service_name,
+            far_service=row.far_service,
+            far_broker_instance=row.far_broker_instance,
+            contract_name=row.contract_name,
+            state=row.state,
+            lifetime=aware(row.lifetime),
+            send_sequence=row.send_sequence,
+            receive_sequence=max(row.receive_sequence, row.arrived or 0),
+            priority=row.priority,
+            queue_name=row.queue_name,
+            timer_due_at=aware(row.timer_due_at),
+        )

@@ -1,0 +1,198 @@
+"""The state every transaction verb shares: the connection, its leases, commit and rollback.
+
+:class:`TransactionCore` is the base of :class:`~airflow_broker.messaging.transaction.Transaction`;
+the verbs live in mixins over it (RECEIVE in :mod:`~airflow_broker.messaging.receiving`, END
+CONVERSATION in :mod:`~airflow_broker.messaging.ending`) so that each module holds one verb's
+rules.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+from sqlalchemy import (
+    Row,
+    select,
+)
+from sqlalchemy.engine import Connection
+
+from airflow_broker import metrics
+from airflow_broker.errors import (
+    BrokerError,
+    QueueDisabled,
+    UnknownObject,
+)
+from airflow_broker.messaging.events import record_rollbacks
+from airflow_broker.messaging.fast_send import (
+    endpoint_statement,
+)
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.adapters import Lease
+
+if TYPE_CHECKING:
+    from airflow_broker.storage.context import BrokerContext
+
+log = logging.getLogger("airflow_broker")
+
+#: RECEIVE runs the due-work step when something this process knows of falls due (a timer or
+#: lifetime it set, or the earliest one the last pass saw), and at least this often otherwise, to
+#: notice what other processes set and readers that died.
+DUE_POLL_SECONDS = 1.0
+#: Longest single sleep of a waiting RECEIVE: bounds how late a due timer is noticed.
+MAX_WAIT_SLICE = 0.5
+
+
+class TransactionCore:
+    """The open transaction: its connection, receive leases, commit and rollback (with poison
+    accounting), and the look-ups every verb makes."""
+
+    def __init__(self, broker: BrokerContext) -> None:
+        self.broker = broker
+        self.connection: Connection = broker.engine.connect()
+        self._leases: dict[int, Lease] = {}
+        self._dirty = False
+        self._done = False
+        self._doomed: str | None = None
+        #: messages SENT, and RECEIVEd by queue name (only while metrics are on): counted by
+        #: the broker.messages_sent / broker.messages_received metrics when this commits
+        self._sent = 0
+        self._received: dict[str, int] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._done:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.rollback()
+
+    def commit(self) -> None:
+        """Commit: SENDs become visible to readers, RECEIVEd messages are gone for good."""
+        self._check_open()
+        if self._doomed is not None:
+            self._after_rollback()
+            raise BrokerError(f"transaction rolled back instead of committing: {self._doomed}")
+        conn = self.connection
+        leases = list(self._leases.values())
+        adapter = self.broker.adapter
+        try:
+            if leases:
+                # Gone with the commit: this transaction's leases, and the queues' run of
+                # consecutive rollbacks (a committed RECEIVE breaks it).
+                adapter.leases_committing(conn, leases)
+            conn.commit()
+        except BaseException:
+            self._after_rollback()
+            raise
+        self._done = True
+        adapter.close_leases(leases)
+        conn.close()
+        if self._sent or self._received:
+            metrics.incr(metrics.MESSAGES_SENT, self._sent)
+            for name, n in self._received.items():
+                metrics.incr(metrics.MESSAGES_RECEIVED, n, {"queue": name})
+
+    def rollback(self) -> None:
+        """Roll back: received messages return to their queue; counts toward poison handling."""
+        self._check_open()
+        self._after_rollback()
+
+    def _after_rollback(self) -> None:
+        conn = self.connection
+        self._done = True
+        try:
+            conn.rollback()
+            leases = list(self._leases.values())
+            if leases:
+                queue_ids = self.broker.adapter.forget_leases(conn, leases)
+                record_rollbacks(conn, queue_ids)
+                conn.commit()
+        finally:
+            conn.close()
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise BrokerError("this broker transaction has already ended")
+
+    def _execute(self, stmt: Any, params: Any = None) -> Any:
+        self._check_open()
+        return self.connection.execute(stmt, params)
+
+    # -- lookups -------------------------------------------------------------------------------
+    def _queue(self, name: str) -> Any:
+        """A queue's id and settings (cached briefly: they rarely change). Whether it is
+        enabled is checked by the statements themselves, see :meth:`_raise_if_disabled`."""
+        conn = self.connection
+
+        def load() -> Any:
+            return conn.execute(
+                select(
+                    s.queue.c.queue_id,
+                    s.queue.c.name,
+                    s.queue.c.retention,
+                    s.queue.c.poison_message_handling,
+                ).where(s.queue.c.name == name)
+            ).first()
+
+        self._check_open()
+        row = self.broker.cached_definition(("queue", name), load)
+        if row is None:
+            raise UnknownObject(f"queue {name!r} does not exist in this broker")
+        return row
+
+    def _raise_if_disabled(self, q: Row[Any]) -> None:
+        status = self._execute(
+            select(s.queue.c.status).where(s.queue.c.queue_id == q.queue_id)
+        ).scalar()
+        if status is None:
+            self.broker.invalidate_definitions()
+            raise UnknownObject(f"queue {q.name!r} does not exist in this broker")
+        if not status:
+            raise QueueDisabled(
+                f"queue {q.name!r} is disabled (status off); re-enable it with "
+                f"alter_queue({q.name!r}, status=True) once its readers are fixed"
+            )
+
+    def _lock_groups_of(self, handle: uuid.UUID, *more: uuid.UUID) -> uuid.UUID:
+        """PostgreSQL: lock the conversation group of ``handle`` (and the groups ``more``), as
+        RECEIVE does, before anything of the conversation is locked; return its group id.
+
+        Rule 0 of the lock order: END and MOVE CONVERSATION wait here for a reader that holds
+        the group (it may be about to answer or end on this very conversation) instead of
+        locking the endpoint under it. Groups are locked in id order; the endpoint's group is
+        read again under the lock, because a MOVE may have changed it meanwhile.
+        """
+        e, cg = s.conversation_endpoint, s.conversation_group
+        current = select(e.c.conversation_group_id).where(e.c.conversation_handle == handle)
+        group = self._execute(current).scalar()
+        while True:
+            if group is None:
+                raise UnknownObject(f"conversation handle {handle} does not exist in this broker")
+            self._execute(
+                select(cg.c.conversation_group_id)
+                .where(cg.c.conversation_group_id.in_({group, *more}))
+                .order_by(cg.c.conversation_group_id)
+                .with_for_update(key_share=True)  # FOR NO KEY UPDATE, as RECEIVE takes it
+            )
+            now_in = self._execute(current).scalar()
+            if now_in == group:
+                return group
+            group = now_in
+
+    def _endpoint_row(self, handle: uuid.UUID) -> Any:
+        row = self._execute(endpoint_statement(self.broker.dialect), {"handles": [handle]}).first()
+        if row is None:
+            raise UnknownObject(f"conversation handle {handle} does not exist in this broker")
+        return row

@@ -1,0 +1,95 @@
+"""Step 3, :func:`apply_plan`: the changes in dependency order in one ``definitions()``
+transaction; :func:`apply_declarations` runs the three steps on a broker.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from airflow_broker.messaging.definitions import Activation, Definitions, define
+from airflow_broker.operations.declarations.model import (
+    ContractDecl,
+    DeclarationsInvalid,
+    MessageTypeDecl,
+    Plan,
+    QueueDecl,
+    RouteDecl,
+    ServiceDecl,
+)
+from airflow_broker.operations.declarations.parse import parse
+from airflow_broker.operations.declarations.plan import plan
+from airflow_broker.operations.observation import catalog
+
+if TYPE_CHECKING:
+    from airflow_broker.storage.context import BrokerContext
+
+
+def apply_plan(p: Plan, d: Definitions) -> None:
+    """Run every change of the plan through ``d`` (one ``broker.definitions()`` transaction)."""
+    for change in p.changes:
+        if change.action == "unchanged":
+            continue
+        decl = change.decl
+        if isinstance(decl, MessageTypeDecl):
+            d.create_message_type(
+                decl.name, validation=decl.validation, json_schema=decl.json_schema
+            )
+        elif isinstance(decl, ContractDecl):
+            d.create_contract(decl.name, dict(decl.message_types))
+        elif isinstance(decl, QueueDecl):
+            if change.action == "create":
+                settings = decl.create_settings()
+                d.create_queue(decl.name, **_with_activation(settings))
+            else:
+                d.alter_queue(decl.name, **_with_activation(dict(decl.settings)))
+        elif isinstance(decl, ServiceDecl):
+            d.create_service(decl.name, queue=decl.queue, contracts=list(decl.contracts))
+        elif isinstance(decl, RouteDecl):
+            if change.action == "replace":
+                d.drop_route(decl.name)
+            d.create_route(
+                decl.name,
+                service_name=decl.service_name,
+                broker_instance=decl.broker_instance,
+                address=decl.address,
+                mirror_address=decl.mirror_address,
+                lifetime_seconds=decl.lifetime_seconds,
+            )
+        else:
+            if change.action == "replace":
+                d.drop_priority(decl.name)
+            d.create_priority(
+                decl.name,
+                contract=decl.contract,
+                local_service=decl.local_service,
+                remote_service=decl.remote_service,
+                priority=decl.priority,
+            )
+    changed = {s.name: s.new for s in p.settings if s.changed}
+    if changed:
+        d.configure(**changed)
+
+
+def _with_activation(settings: dict[str, Any]) -> dict[str, Any]:
+    if settings.get("activation") is not None:
+        settings["activation"] = Activation(**settings["activation"])
+    return settings
+
+
+def apply_declarations(broker: BrokerContext, text: str, name: str) -> list[str]:
+    """Make ``broker`` match the declarations file ``text`` (the ``airflow-broker apply``
+    format), in one transaction; returns what changed (nothing when it already matches).
+
+    :param name: how problems name the file (``FILE:LINE: message``).
+    """
+    decls, problems = parse(text)
+    if problems:
+        raise DeclarationsInvalid(name, problems)
+    the_plan, problems = plan(decls, catalog(broker))
+    if problems:
+        raise DeclarationsInvalid(name, problems)
+    changes = [c.describe() for c in the_plan.changes if c.action != "unchanged"]
+    if the_plan.has_changes:
+        with define(broker) as d:
+            apply_plan(the_plan, d)
+    return changes

@@ -1,0 +1,304 @@
+"""What a declarations file says: the declared objects, the problems found in it, and the plan
+of changes (:class:`Change`, :class:`SettingChange`, :class:`Plan`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, TypeVar
+
+from airflow_broker.errors import InvalidDefinition
+
+#: The version of the file format this module reads (the optional top-level ``version`` key).
+FORMAT_VERSION: Final = 1
+
+
+#: The sections of a file, in the order their objects are created (each may name the ones before).
+SECTIONS: Final = ("message_types", "contracts", "queues", "services", "routes", "priorities")
+
+
+#: How each section's objects are called in messages.
+KIND: Final = {
+    "message_types": "message type",
+    "contracts": "contract",
+    "queues": "queue",
+    "services": "service",
+    "routes": "route",
+    "priorities": "priority",
+}
+
+
+#: Settings of the broker itself, under the top-level ``broker`` key (``Definitions.configure``):
+#: ``forwarding`` passes on messages for services this broker does not host; ``principal: false``
+#: makes this database say it is not the principal of a mirrored pair.
+BROKER_SETTINGS: Final = ("forwarding", "principal")
+
+
+#: How a setting's value reads in plans: ``forwarding: off -> on``, ``principal: yes -> no``.
+SETTING_WORDS: Final[Mapping[str, tuple[str, str]]] = {
+    "forwarding": ("off", "on"),
+    "principal": ("no", "yes"),
+}
+
+
+#: Longest object name (``schema.NAME``) and address (``broker_route.address``).
+MAX_NAME: Final = 256
+
+
+MAX_ADDRESS: Final = 512
+
+
+#: A route's address: LOCAL, TRANSPORT, or another broker database by logical name.
+ADDRESS_KEYWORDS: Final = ("LOCAL", "TRANSPORT")
+
+
+BROKER_ADDRESS: Final = re.compile(r"^broker://[A-Za-z0-9_.\-]+$")
+
+
+#: Outside Airflow, ``broker://NAME`` resolves through this environment variable (NAME upper-cased,
+#: every other character than a letter or digit made ``_``: ``transport.env_name``).
+ADDRESS_ENV_PREFIX: Final = "AIRFLOW_BROKER_ADDRESS_"
+
+
+_URL: Final = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://(?P<rest>.*)$", re.S)
+
+
+_STR: Final = "tag:yaml.org,2002:str"
+
+
+_BOOL: Final = "tag:yaml.org,2002:bool"
+
+
+_INT: Final = "tag:yaml.org,2002:int"
+
+
+_NULL: Final = "tag:yaml.org,2002:null"
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with a file, and the line it is on (None: the file as a whole)."""
+
+    line: int | None
+    message: str
+
+    def format(self, filename: str) -> str:
+        where = filename if self.line is None else f"{filename}:{self.line}"
+        return f"{where}: {self.message}"
+
+
+class DeclarationsInvalid(InvalidDefinition):
+    """A declarations file has problems; nothing of it was applied."""
+
+    def __init__(self, filename: str, problems: Sequence[Problem]) -> None:
+        self.filename = filename
+        self.problems = sorted(problems, key=lambda p: (p.line or 0, p.message))
+        count = len(self.problems)
+        super().__init__(
+            f"{filename}: {count} problem{'s' if count != 1 else ''}; nothing was applied"
+        )
+
+    def lines(self) -> list[str]:
+        """Every problem as ``FILE:LINE: message``, in file order."""
+        return [p.format(self.filename) for p in self.problems]
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A name that must resolve to an object of ``section`` declared in the file or the database."""
+
+    section: str
+    name: str
+    line: int
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class MessageTypeDecl:
+    name: str
+    line: int
+    validation: str = "none"
+    json_schema: dict[str, Any] | None = None
+
+    @property
+    def refs(self) -> tuple[Ref, ...]:
+        return ()
+
+
+@dataclass(frozen=True, slots=True)
+class ContractDecl:
+    name: str
+    line: int
+    #: message type name -> "initiator" | "target" | "any"
+    message_types: dict[str, str] = field(default_factory=dict)
+    refs: tuple[Ref, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class QueueDecl:
+    name: str
+    line: int
+    #: Only the settings the file gives (an existing queue keeps the others as they are);
+    #: ``activation`` is normalized to ``Activation.to_dict()`` or None.
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def refs(self) -> tuple[Ref, ...]:
+        return ()
+
+    def create_settings(self) -> dict[str, Any]:
+        """The settings of a new queue: the file's, over the defaults of ``create_queue``."""
+        return {**QUEUE_DEFAULTS, **self.settings}
+
+
+QUEUE_DEFAULTS: Final[Mapping[str, Any]] = {
+    "status": True,
+    "retention": False,
+    "poison_message_handling": True,
+    "activation": None,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceDecl:
+    name: str
+    line: int
+    queue: str
+    contracts: tuple[str, ...] = ()
+    refs: tuple[Ref, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecl:
+    name: str
+    line: int
+    service_name: str | None = None
+    broker_instance: str | None = None
+    address: str = "LOCAL"
+    mirror_address: str | None = None
+    lifetime_seconds: int | None = None
+
+    @property
+    def refs(self) -> tuple[Ref, ...]:
+        return ()
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityDecl:
+    name: str
+    line: int
+    contract: str | None = None
+    local_service: str | None = None
+    remote_service: str | None = None
+    priority: int = 5
+    refs: tuple[Ref, ...] = ()
+
+
+Decl = MessageTypeDecl | ContractDecl | QueueDecl | ServiceDecl | RouteDecl | PriorityDecl
+
+
+_D = TypeVar("_D", MessageTypeDecl, ContractDecl, QueueDecl, ServiceDecl, RouteDecl, PriorityDecl)
+
+
+@dataclass(frozen=True, slots=True)
+class Declarations:
+    """Everything one file declares, section by section, in file order."""
+
+    message_types: tuple[MessageTypeDecl, ...] = ()
+    contracts: tuple[ContractDecl, ...] = ()
+    queues: tuple[QueueDecl, ...] = ()
+    services: tuple[ServiceDecl, ...] = ()
+    routes: tuple[RouteDecl, ...] = ()
+    priorities: tuple[PriorityDecl, ...] = ()
+    #: ``broker: {forwarding: ..., principal: ...}``: the settings the file gives, and their lines.
+    settings: dict[str, bool] = field(default_factory=dict)
+    setting_lines: dict[str, int] = field(default_factory=dict)
+    #: Names declared per section, even by entries that had other problems: a reference to such a
+    #: name is not reported again as unknown.
+    declared: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: Every reference made by an entry, ``(section, entry name, ref)``, including entries that
+    #: had other problems, so that a bad reference is reported along with them.
+    refs: tuple[tuple[str, str, Ref], ...] = ()
+
+    def section(self, name: str) -> tuple[Decl, ...]:
+        items: tuple[Decl, ...] = getattr(self, name)
+        return items
+
+
+Action = Literal["create", "alter", "replace", "unchanged"]
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """What applying one declared object does: create it, alter or replace it, or nothing."""
+
+    section: str
+    decl: Decl
+    action: Action
+    #: For alter / replace: what differs, ``key: old -> new``.
+    differences: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.decl.name
+
+    def describe(self) -> str:
+        kind = KIND[self.section]
+        if self.action == "create":
+            return f"+ {kind} {self.name}: created"
+        if self.action == "unchanged":
+            return f"= {kind} {self.name}: unchanged"
+        verb = "altered" if self.action == "alter" else "replaced"
+        return f"~ {kind} {self.name}: {verb} ({'; '.join(self.differences)})"
+
+
+@dataclass(frozen=True, slots=True)
+class SettingChange:
+    """What applying one ``broker:`` setting does: change it, or nothing."""
+
+    name: str
+    #: The database's value; None when it could not be read (shown as ``unknown``).
+    old: bool | None
+    new: bool
+
+    @property
+    def changed(self) -> bool:
+        return self.old is not self.new
+
+    def describe(self) -> str:
+        if not self.changed:
+            return f"= broker setting {self.name}: unchanged ({_setting_word(self.name, self.new)})"
+        return (
+            f"~ broker setting {self.name}: {_setting_word(self.name, self.old)} -> "
+            f"{_setting_word(self.name, self.new)}"
+        )
+
+
+def _setting_word(name: str, value: bool | None) -> str:
+    if value is None:
+        return "unknown"
+    return SETTING_WORDS[name][1 if value else 0]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The changes a file makes, in the order they are applied (broker settings last)."""
+
+    changes: tuple[Change, ...]
+    settings: tuple[SettingChange, ...] = ()
+
+    @property
+    def has_changes(self) -> bool:
+        return any(c.action != "unchanged" for c in self.changes) or any(
+            s.changed for s in self.settings
+        )
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per section: how many objects are created, altered (or replaced) and unchanged."""
+        out = {s: {"created": 0, "altered": 0, "unchanged": 0} for s in SECTIONS}
+        for change in self.changes:
+            bucket = {"create": "created", "unchanged": "unchanged"}.get(change.action, "altered")
+            out[change.section][bucket] += 1
+        return out

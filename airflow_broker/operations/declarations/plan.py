@@ -1,0 +1,199 @@
+"""Step 2, :func:`plan`: the declarations against the database's catalog and settings; what
+cannot resolve or change in place is a problem, the rest a change.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from airflow_broker.messaging.definitions import Activation
+from airflow_broker.messaging.objects import Catalog
+from airflow_broker.operations.declarations.model import (
+    KIND,
+    SECTIONS,
+    Action,
+    Change,
+    ContractDecl,
+    Decl,
+    Declarations,
+    MessageTypeDecl,
+    Plan,
+    Problem,
+    QueueDecl,
+    RouteDecl,
+    ServiceDecl,
+    SettingChange,
+)
+from airflow_broker.operations.declarations.parse import _suggest
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return "[" + ", ".join(sorted(str(v) for v in value)) + "]"
+    return str(value)
+
+
+def _diff(pairs: Iterable[tuple[str, Any, Any]]) -> tuple[str, ...]:
+    return tuple(f"{key}: {_show(old)} -> {_show(new)}" for key, old, new in pairs if old != new)
+
+
+def _same_instance(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    try:
+        return uuid.UUID(a) == uuid.UUID(b)
+    except ValueError:
+        return a == b
+
+
+def plan(
+    decls: Declarations,
+    catalog: Catalog,
+    *,
+    now: datetime | None = None,
+    settings: Mapping[str, bool] | None = None,
+) -> tuple[Plan, list[Problem]]:
+    """Compare the declarations with the database. Returns the plan and the problems found.
+
+    ``settings`` are the broker's current settings (``forwarding``, ``principal``: the columns of
+    ``broker_instance``); a setting the file gives and ``settings`` lacks is planned as a change
+    from ``unknown``.
+
+    Problems: references that resolve neither in the file nor in the database, and objects that
+    exist with a different definition when that definition cannot be changed in place (message
+    types, contracts and services hold conversations and messages that depend on them). Queues
+    are altered; routes and priorities are replaced (dropped and created again in the same
+    transaction), which is safe because nothing refers to them: a conversation copies the
+    priority it was given and looks routes up again for every delivery.
+    """
+    now = now or datetime.now(UTC)
+    problems: list[Problem] = []
+    existing: dict[str, Mapping[str, Any]] = {
+        "message_types": catalog.message_types,
+        "contracts": catalog.contracts,
+        "queues": catalog.queues,
+        "services": catalog.services,
+        "routes": catalog.routes,
+        "priorities": catalog.priorities,
+    }
+
+    for section, name, ref in decls.refs:
+        known = [*decls.declared.get(ref.section, ()), *existing[ref.section]]
+        if ref.name in known:
+            continue
+        problems.append(
+            Problem(
+                ref.line,
+                f"{KIND[section]} {name!r}: {ref.key} {ref.name!r} is declared "
+                f"neither in this file nor in the database{_suggest(ref.name, known)}",
+            )
+        )
+
+    current_settings = settings or {}
+    setting_changes = tuple(
+        SettingChange(key, current_settings.get(key), value)
+        for key, value in decls.settings.items()
+    )
+
+    changes: list[Change] = []
+    for section in SECTIONS:
+        for decl in decls.section(section):
+            current = existing[section].get(decl.name)
+            if current is None:
+                changes.append(Change(section, decl, "create"))
+                continue
+            action, differences = _compare(decl, current, now)
+            if action == "refuse":
+                kind = KIND[section]
+                problems.append(
+                    Problem(
+                        decl.line,
+                        f"{kind} {decl.name!r} already exists with a different definition "
+                        f"({'; '.join(differences)}, database -> file); a {kind} cannot be "
+                        "changed in place: drop it first or declare the new one under another name",
+                    )
+                )
+                continue
+            changes.append(Change(section, decl, action, differences))
+    return Plan(tuple(changes), setting_changes), problems
+
+
+def _compare(
+    decl: Decl, current: Any, now: datetime
+) -> tuple[Action | Literal["refuse"], tuple[str, ...]]:
+    if isinstance(decl, MessageTypeDecl):
+        differences = _diff(
+            [
+                ("validation", current.validation, decl.validation),
+                ("json_schema", current.json_schema or None, decl.json_schema),
+            ]
+        )
+        return ("refuse" if differences else "unchanged"), differences
+    if isinstance(decl, ContractDecl):
+        differences = _diff([("message_types", dict(current.message_types), decl.message_types)])
+        return ("refuse" if differences else "unchanged"), differences
+    if isinstance(decl, ServiceDecl):
+        differences = _diff(
+            [
+                ("queue", current.queue, decl.queue),
+                ("contracts", frozenset(current.contracts), frozenset(decl.contracts)),
+            ]
+        )
+        return ("refuse" if differences else "unchanged"), differences
+    if isinstance(decl, QueueDecl):
+        pairs: list[tuple[str, Any, Any]] = []
+        for key, wanted in decl.settings.items():
+            have = getattr(current, key)
+            if key == "activation" and have is not None and wanted is not None:
+                # Name the activation settings that differ, not the whole clause.
+                have = {**Activation().to_dict(), **dict(have)}
+                pairs.extend((f"activation.{k}", have.get(k), v) for k, v in wanted.items())
+            else:
+                pairs.append((key, have, wanted))
+        differences = _diff(pairs)
+        return ("alter" if differences else "unchanged"), differences
+    if isinstance(decl, RouteDecl):
+        pairs = [
+            ("service_name", current.service_name, decl.service_name),
+            ("address", current.address, decl.address),
+            ("mirror_address", current.mirror_address, decl.mirror_address),
+        ]
+        route_diffs = list(_diff(pairs))
+        if not _same_instance(current.broker_instance, decl.broker_instance):
+            route_diffs.append(
+                f"broker_instance: {_show(current.broker_instance)} -> "
+                f"{_show(decl.broker_instance)}"
+            )
+        # The lifetime counts from the apply that created the route: applying the file again
+        # neither renews nor shortens it, unless it has run out (then the route is created anew).
+        expires_at: datetime | None = current.expires_at
+        if expires_at is not None and expires_at.tzinfo is None:
+            expires_at = expires_at.replace(tzinfo=UTC)
+        if decl.lifetime_seconds is None and expires_at is not None:
+            route_diffs.append(f"lifetime: expires {expires_at.isoformat()} -> none")
+        elif decl.lifetime_seconds is not None and expires_at is None:
+            route_diffs.append(f"lifetime: none -> {decl.lifetime_seconds} seconds")
+        elif decl.lifetime_seconds is not None and expires_at is not None and expires_at <= now:
+            route_diffs.append(
+                f"lifetime: expired {expires_at.isoformat()} -> {decl.lifetime_seconds} seconds"
+            )
+        return ("replace" if route_diffs else "unchanged"), tuple(route_diffs)
+    differences = _diff(
+        [
+            ("contract", current.contract, decl.contract),
+            ("local_service", current.local_service, decl.local_service),
+            ("remote_service", current.remote_service, decl.remote_service),
+            ("priority", current.priority, decl.priority),
+        ]
+    )
+    return ("replace" if differences else "unchanged"), differences

@@ -1,0 +1,249 @@
+"""Queues (with readers, poison events and depth history), services and contracts."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Connection
+
+from airflow_broker.constants import STATUS_READY
+from airflow_broker.operations.monitoring.models import (
+    QUEUE_EVENTS_SHOWN,
+    QUEUE_READERS_SHOWN,
+    ContractInfo,
+    DepthHistory,
+    PoisonEvent,
+    QueueDetail,
+    QueueInfo,
+    ReaderInfo,
+    ServiceInfo,
+    _age,
+    _e,
+    _ev,
+    _m,
+    _pairs,
+    _poison_filter,
+    _queue_id,
+    _r,
+    _ts,
+)
+from airflow_broker.operations.sampling import check_minutes, depth_samples
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import aware, utcnow
+
+if TYPE_CHECKING:
+    from airflow_broker.storage.context import BrokerContext
+
+
+def _queue_infos(conn: Connection, name: str | None = None) -> list[QueueInfo]:
+    ready = (
+        select(
+            _m.c.queue_id,
+            func.count().label("depth"),
+            func.min(_m.c.enqueued_at).label("oldest"),
+            func.count(func.distinct(_m.c.conversation_group_id)).label("groups"),
+        )
+        .where(_m.c.status == STATUS_READY)
+        .group_by(_m.c.queue_id)
+        .subquery()
+    )
+    readers = (
+        select(
+            _r.c.queue_id,
+            func.count().filter(_r.c.started_at.is_not(None)).label("running"),
+            func.count().filter(_r.c.started_at.is_(None)).label("starting"),
+        )
+        .where(_r.c.finished_at.is_(None))
+        .group_by(_r.c.queue_id)
+        .subquery()
+    )
+    q = s.queue
+    stmt = (
+        select(
+            q,
+            ready.c.depth,
+            ready.c.oldest,
+            ready.c.groups,
+            readers.c.running,
+            readers.c.starting,
+        )
+        .outerjoin(ready, ready.c.queue_id == q.c.queue_id)
+        .outerjoin(readers, readers.c.queue_id == q.c.queue_id)
+        .order_by(q.c.name)
+    )
+    if name is not None:
+        stmt = stmt.where(q.c.name == name)
+    rows = list(conn.execute(stmt))
+    ids = [r.queue_id for r in rows]
+    services: dict[int, list[str]] = {}
+    for r in conn.execute(
+        select(s.service.c.queue_id, s.service.c.name)
+        .where(s.service.c.queue_id.in_(ids))
+        .order_by(s.service.c.name)
+    ):
+        services.setdefault(r.queue_id, []).append(r.name)
+    names = [r.name for r in rows]
+    poison: dict[str, tuple[int, int]] = {
+        r.object_name: (int(r.n), int(r.last))
+        for r in conn.execute(
+            select(_ev.c.object_name, func.count().label("n"), func.max(_ev.c.id).label("last"))
+            .where(_poison_filter(), _ev.c.object_name.in_(names))
+            .group_by(_ev.c.object_name)
+        )
+    }
+    last: dict[int, PoisonEvent] = {
+        r.id: PoisonEvent(r.id, _ts(r.occurred_at), r.detail)  # type: ignore[arg-type]
+        for r in conn.execute(
+            select(_ev.c.id, _ev.c.occurred_at, _ev.c.detail).where(
+                _ev.c.id.in_([v[1] for v in poison.values()])
+            )
+        )
+    }
+    now = utcnow()
+    out = []
+    for r in rows:
+        oldest = _ts(r.oldest)
+        count, last_id = poison.get(r.name, (0, 0))
+        out.append(
+            QueueInfo(
+                name=r.name,
+                status="enabled" if r.status else "disabled",
+                enabled=bool(r.status),
+                depth=int(r.depth or 0),
+                oldest_enqueued_at=oldest,
+                oldest_age_seconds=_age(now, oldest),
+                groups_ready=int(r.groups or 0),
+                readers_running=int(r.running or 0),
+                readers_starting=int(r.starting or 0),
+                rollback_count=int(r.rollback_count),
+                poison_message_handling=bool(r.poison_message_handling),
+                retention=bool(r.retention),
+                activation=r.activation,
+                services=services.get(r.queue_id, []),
+                poison_events=count,
+                last_poison_event=last.get(last_id),
+            )
+        )
+    return out
+
+
+def queues(broker: BrokerContext) -> list[QueueInfo]:
+    """Every queue, by name: depth, oldest message, readers running, status, poison events."""
+    with broker.engine.connect() as conn:
+        return _queue_infos(conn)
+
+
+def queue_depth_history(
+    broker: BrokerContext, name: str, minutes: int = 60, *, now: datetime | None = None
+) -> DepthHistory:
+    """The depth samples of queue ``name`` (:mod:`airflow_broker.operations.sampling`) from the last
+    ``minutes`` minutes (1..:data:`~airflow_broker.operations.sampling.MAX_HISTORY_MINUTES`)."""
+    check_minutes(minutes)
+    with broker.engine.connect() as conn:
+        queue_id = _queue_id(conn, name)
+    return DepthHistory(name, minutes, depth_samples(broker, queue_id, minutes, now=now))
+
+
+def _reader_state(r: Any) -> str:
+    """``starting`` (fired for, not registered yet), ``running`` or ``finished``."""
+    if r.finished_at is not None:
+        return "finished"
+    return "starting" if r.started_at is None else "running"
+
+
+def queue(broker: BrokerContext, name: str) -> QueueDetail:
+    """One queue, with its most recent readers and poison events."""
+    with broker.engine.connect() as conn:
+        queue_id = _queue_id(conn, name)
+        (info,) = _queue_infos(conn, name)
+        readers = [
+            ReaderInfo(
+                reader_id=r.reader_id,
+                state=_reader_state(r),
+                monitor_key=r.monitor_key,
+                fired_at=aware(r.fired_at),
+                started_at=aware(r.started_at),
+                heartbeat_at=aware(r.heartbeat_at),
+                finished_at=aware(r.finished_at),
+                outcome=r.outcome,
+                label=r.label,
+            )
+            for r in conn.execute(
+                select(_r)
+                .where(_r.c.queue_id == queue_id)
+                .order_by(func.coalesce(_r.c.started_at, _r.c.fired_at).desc(), _r.c.reader_id)
+                .limit(QUEUE_READERS_SHOWN)
+            )
+        ]
+        events = [
+            PoisonEvent(r.id, aware(r.occurred_at), r.detail)  # type: ignore[arg-type]
+            for r in conn.execute(
+                select(_ev.c.id, _ev.c.occurred_at, _ev.c.detail)
+                .where(_poison_filter(), _ev.c.object_name == name)
+                .order_by(_ev.c.id.desc())
+                .limit(QUEUE_EVENTS_SHOWN)
+            )
+        ]
+    return QueueDetail(info, readers, events)
+
+
+def services(broker: BrokerContext) -> list[ServiceInfo]:
+    """Every service, by name: its queue, contracts, and how many conversations it has."""
+    with broker.engine.connect() as conn:
+        contracts: dict[str, list[str]] = {}
+        for r in conn.execute(
+            select(s.service_contract).order_by(s.service_contract.c.contract_name)
+        ):
+            contracts.setdefault(r.service_name, []).append(r.contract_name)
+        routing = set(conn.execute(select(s.routing_service.c.name)).scalars())
+        counts = _pairs(
+            conn,
+            select(_e.c.service_name, func.count()).group_by(_e.c.service_name),
+        )
+        return [
+            ServiceInfo(
+                name=r.name,
+                queue=r.queue,
+                contracts=contracts.get(r.name, []),
+                routing_service=r.name in routing,
+                conversations=int(counts.get(r.name, 0)),
+            )
+            for r in conn.execute(
+                select(s.service.c.name, s.queue.c.name.label("queue"))
+                .join(s.queue, s.queue.c.queue_id == s.service.c.queue_id)
+                .order_by(s.service.c.name)
+            )
+        ]
+
+
+def contracts(broker: BrokerContext) -> list[ContractInfo]:
+    """Every contract, by name: its message types, who sends each, their validation, and the
+    services that accept it."""
+    with broker.engine.connect() as conn:
+        validation = _pairs(
+            conn,
+            select(s.message_type.c.name, s.message_type.c.validation),
+        )
+        types: dict[str, dict[str, str]] = {}
+        for r in conn.execute(
+            select(s.contract_message).order_by(s.contract_message.c.message_type_name)
+        ):
+            types.setdefault(r.contract_name, {})[r.message_type_name] = r.sent_by
+        users: dict[str, list[str]] = {}
+        for r in conn.execute(
+            select(s.service_contract).order_by(s.service_contract.c.service_name)
+        ):
+            users.setdefault(r.contract_name, []).append(r.service_name)
+        return [
+            ContractInfo(
+                name=name,
+                message_types=types.get(name, {}),
+                validation={mt: validation.get(mt, "none") for mt in types.get(name, {})},
+                services=users.get(name, []),
+            )
+            for name in conn.execute(select(s.contract.c.name).order_by(s.contract.c.name))
+            .scalars()
+            .all()
+        ]

@@ -1,0 +1,465 @@
+"""What differs between PostgreSQL and SQLite, behind one small interface.
+
+The broker's logic (``transaction.py``, ``delivery.py``...) is written once against SQLAlchemy
+Core (hot statements are PostgreSQL-specific text in ``queries.py`` and ``delivery.py``). Three
+things cannot be: how a transaction begins, how a waiting RECEIVE learns that another process
+committed a SEND, and how a reader that died holding messages is noticed (poison handling counts
+it as a rollback). Each engine has an adapter here.
+
+PostgreSQL
+    Waits LISTEN on a per-queue channel; a trigger on ``broker_message`` NOTIFYs it whenever ready
+    messages are written (migration 0002), so a waiter wakes within milliseconds of the commit.
+    A receiving transaction registers a lease (queue, server backend pid) through a side
+    connection, so the row is visible at once; the RECEIVE statement itself writes the lease's
+    commit marker, visible only if the transaction commits. A lease whose backend no longer
+    exists and that has no marker belongs to a reader that died without committing.
+
+SQLite
+    A broker transaction takes the single write lock at its first statement (``BEGIN IMMEDIATE``).
+    A waiting RECEIVE that has written nothing gives the lock up and polls ``PRAGMA data_version``
+    (which changes when another connection commits) every few tens of milliseconds. A receiving
+    transaction holds an ``flock`` on a lease file beside the database; a file whose lock is free
+    belongs to a process that died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from sqlalchemy import event, text
+from sqlalchemy.engine import Connection, Engine
+
+from airflow_broker.storage.clock import utcnow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Lease:
+    """This transaction received from ``queue_id``: if it never commits, that is a rollback."""
+
+    queue_id: int
+    key: int = 0
+    path: Path | None = None
+    fd: int | None = None
+
+
+@dataclass(slots=True)
+class WaitState:
+    """What a waiting RECEIVE holds between two attempts."""
+
+    queue_id: int
+    listener: Any = None
+    data_version: int | None = None
+    released: bool = False
+
+
+class EngineAdapter(Protocol):
+    dialect: str
+
+    def new_lease_key(self) -> int | None: ...
+
+    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> Lease: ...
+
+    def leases_committing(self, conn: Connection, leases: list[Lease]) -> None: ...
+
+    def close_leases(self, leases: list[Lease]) -> None: ...
+
+    def reap_dead_leases(self, conn: Connection) -> list[int]: ...
+
+    def dead_leases(self, conn: Connection) -> list[tuple[str, int]]: ...
+
+    def start_wait(self, conn: Connection, queue_id: int, *, can_release: bool) -> WaitState: ...
+
+    def wait(self, conn: Connection, state: WaitState, timeout: float) -> None: ...
+
+    def end_wait(self, state: WaitState) -> None: ...
+
+    def dispose(self) -> None: ...
+
+
+def channel(queue_id: int) -> str:
+    return f"airflow_broker_q{queue_id}"
+
+
+class PostgresAdapter:
+    """LISTEN/NOTIFY wake-ups and backend-pid leases."""
+
+    dialect = "postgresql"
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._idle_listeners: list[Any] = []
+        self._side: Any = None
+        event.listen(engine, "connect", self._on_connect)
+
+    @staticmethod
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        """Python lists travel as binary arrays: the set-based statements (``unnest`` of one
+        array per column) send hundreds of rows per statement, and psycopg's text format
+        escapes every element (measured: 14.7 ms vs 1.6 ms for 500 rows of five columns)."""
+        from psycopg.types.array import ListBinaryDumper
+
+        dbapi_conn.adapters.register_dumper(list, ListBinaryDumper)
+
+    # -- raw psycopg connections outside SQLAlchemy's pool ------------------------------------
+    def _raw_connect(self, **kwargs: Any) -> Any:
+        import psycopg
+
+        _args, cparams = self._engine.dialect.create_connect_args(self._engine.url)
+        params: dict[str, Any] = {k: v for k, v in cparams.items() if k != "client_encoding"}
+        params.update(kwargs)
+        return psycopg.connect(autocommit=True, **params)
+
+    @contextlib.contextmanager
+    def _side_connection(self) -> Iterator[Any]:
+        """An autocommit connection with synchronous_commit off, shared under a lock.
+
+        Lease rows are written here: they must be visible at once, outside the reader's own
+        transaction, and are cheap to lose in a server crash (their table is UNLOGGED).
+        """
+        with self._lock:
+            if self._side is None or self._side.closed:
+                self._side = self._raw_connect()
+                self._side.execute("SET synchronous_commit = off")
+            try:
+                yield self._side
+            except Exception:
+                with contextlib.suppress(Exception):
+                    self._side.close()
+                self._side = None
+                raise
+
+    # -- waiting: LISTEN; a trigger on broker_message notifies (migration 0002) ----------
+    def start_wait(self, conn: Connection, queue_id: int, *, can_release: bool) -> WaitState:
+        with self._lock:
+            listener = self._idle_listeners.pop() if self._idle_listeners else None
+        if listener is None or listener.closed:
+            listener = self._raw_connect()
+            listener.info_channels = set()
+        ch = channel(queue_id)
+        if ch not in listener.info_channels:
+            listener.execute(f'LISTEN "{ch}"')  # the channel name is ours, never user text
+            listener.info_channels.add(ch)
+        # Forget what arrived while the listener sat idle: the caller re-checks the queue next.
+        for _ in listener.notifies(timeout=0):
+            pass
+        return WaitState(queue_id=queue_id, listener=listener)
+
+    def wait(self, conn: Connection, state: WaitState, timeout: float) -> None:
+        want = channel(state.queue_id)
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            for note in state.listener.notifies(timeout=remaining, stop_after=1):
+                if note.channel == want:
+                    return
+
+    def end_wait(self, state: WaitState) -> None:
+        listener = state.listener
+        if listener is None or listener.closed:
+            return
+        with self._lock:
+            if len(self._idle_listeners) < 8:
+                self._idle_listeners.append(listener)
+                return
+        listener.close()
+
+    # -- leases --------------------------------------------------------------------------------
+    def _backend(self, conn: Connection) -> tuple[int, datetime | None]:
+        info = conn.connection.info
+        if "broker_backend" not in info:
+            row = conn.execute(
+                text("SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()")
+            ).one()
+            info["broker_backend"] = (row.pid, row.backend_start)
+        backend: tuple[int, datetime | None] = info["broker_backend"]
+        return backend
+
+    def new_lease_key(self) -> int | None:
+        """A key for the lease of the next receive; RECEIVE's statement marks it on commit."""
+        return random.randint(1, 2**31 - 1)
+
+    def _insert_lease(self, key: int, queue_id: int, pid: int, backend_start: Any) -> bool:
+        with self._side_connection() as side:
+            cur = side.execute(
+                "INSERT INTO broker_receive_lease (lease_key, queue_id, pid, backend_start, "
+                "started_at) VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                (key, queue_id, pid, backend_start, utcnow()),
+            )
+        return bool(cur.rowcount == 1)
+
+    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> Lease:
+        """Register, outside the transaction, that it holds messages of ``queue_id``.
+
+        Called right after the RECEIVE statement that took messages and inserted the commit
+        marker for ``key`` (that same statement, so the marker exists if and only if the
+        transaction commits)."""
+        assert key is not None
+        pid, backend_start = self._backend(conn)
+        while not self._insert_lease(key, queue_id, pid, backend_start):
+            # A 1-in-2^31 clash with a live lease: take another key and mark that one too.
+            key = random.randint(1, 2**31 - 1)
+            conn.execute(
+                text(
+                    "INSERT INTO broker_receive_commit (lease_key) VALUES (:k) "
+                    "ON CONFLICT DO NOTHING"
+                ),
+                {"k": key},
+            )
+        return Lease(queue_id=queue_id, key=key)
+
+    def leases_committing(self, conn: Connection, leases: list[Lease]) -> None:
+        """Nothing left to do: RECEIVE's statement wrote the markers and reset the run."""
+
+    def close_leases(self, leases: list[Lease]) -> None:
+        """Nothing to release: the due-work pass clears committed leases."""
+
+    def forget_leases(self, conn: Connection, leases: list[Lease]) -> list[int]:
+        """After a rollback: delete this transaction's lease rows; returns the queues to count.
+
+        A reaper may have counted a row first; only rows this call deletes are counted here.
+        """
+        rows = conn.execute(
+            text(
+                "DELETE FROM broker_receive_lease WHERE lease_key = ANY(:keys) RETURNING queue_id"
+            ),
+            {"keys": [lease.key for lease in leases]},
+        )
+        return [r.queue_id for r in rows]
+
+    def reap_dead_leases(self, conn: Connection) -> list[int]:
+        """Clear leases of committed transactions; return the queues of those whose reader died
+        (backend gone, no commit marker): each one is a rolled-back receive."""
+        conn.execute(
+            text(
+                "WITH done AS (DELETE FROM broker_receive_commit c "
+                " USING broker_receive_lease l WHERE c.lease_key = l.lease_key "
+                " RETURNING c.lease_key) "
+                "DELETE FROM broker_receive_lease WHERE lease_key IN (SELECT lease_key FROM done)"
+            )
+        )
+        rows = conn.execute(
+            text(
+                "DELETE FROM broker_receive_lease l WHERE NOT EXISTS ("
+                " SELECT 1 FROM pg_stat_activity a WHERE a.pid = l.pid"
+                " AND (a.backend_start IS NULL OR l.backend_start IS NULL"
+                "      OR a.backend_start = l.backend_start))"
+                " AND NOT EXISTS (SELECT 1 FROM broker_receive_commit c"
+                "                 WHERE c.lease_key = l.lease_key)"
+                " RETURNING queue_id"
+            )
+        )
+        return [r.queue_id for r in rows]
+
+    def dead_leases(self, conn: Connection) -> list[tuple[str, int]]:
+        """Read-only: (lease, queue id) of leases whose reader died holding messages and that
+        no due-work pass has counted yet (what :meth:`reap_dead_leases` would count)."""
+        rows = conn.execute(
+            text(
+                "SELECT l.lease_key, l.queue_id, l.pid FROM broker_receive_lease l"
+                " WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = l.pid"
+                "  AND (a.backend_start IS NULL OR l.backend_start IS NULL"
+                "       OR a.backend_start = l.backend_start))"
+                " AND NOT EXISTS (SELECT 1 FROM broker_receive_commit c"
+                "                 WHERE c.lease_key = l.lease_key)"
+                " ORDER BY l.lease_key"
+            )
+        )
+        return [(f"lease {r.lease_key} of backend {r.pid}", r.queue_id) for r in rows]
+
+    def dispose(self) -> None:
+        with self._lock:
+            for conn in [*self._idle_listeners, self._side]:
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        conn.close()
+            self._idle_listeners.clear()
+            self._side = None
+
+
+class SqliteAdapter:
+    """Single-writer transactions, data_version polling and flock leases."""
+
+    dialect = "sqlite"
+    POLL_SECONDS = 0.02
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        database = engine.url.database
+        self._lease_dir: Path | None = None
+        if database and database != ":memory:" and not database.startswith("file::memory:"):
+            self._lease_dir = Path(database).resolve().with_name(Path(database).name + "-leases")
+        event.listen(engine, "connect", self._on_connect)
+        event.listen(engine, "begin", self._on_begin)
+
+    @staticmethod
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Take transaction control away from the driver, so that BEGIN is ours to emit.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA busy_timeout=60000")
+        cur.close()
+
+    @staticmethod
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    # -- waiting -------------------------------------------------------------------------------
+    @staticmethod
+    def _data_version(conn: Connection) -> int:
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        version: int = raw.execute("PRAGMA data_version").fetchone()[0]
+        return version
+
+    def start_wait(self, conn: Connection, queue_id: int, *, can_release: bool) -> WaitState:
+        state = WaitState(queue_id=queue_id)
+        if can_release:
+            # Nothing written yet: give the write lock back so that senders can commit.
+            conn.rollback()
+            state.released = True
+            state.data_version = self._data_version(conn)
+        return state
+
+    def wait(self, conn: Connection, state: WaitState, timeout: float) -> None:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        if not state.released:
+            time.sleep(min(timeout, 0.1))
+            return
+        if conn.in_transaction():
+            conn.rollback()
+        while time.monotonic() < deadline:
+            time.sleep(min(self.POLL_SECONDS, max(deadline - time.monotonic(), 0)))
+            version = self._data_version(conn)
+            if version != state.data_version:
+                state.data_version = version
+                return
+
+    def end_wait(self, state: WaitState) -> None:
+        """Nothing held."""
+
+    # -- leases --------------------------------------------------------------------------------
+    def new_lease_key(self) -> int | None:
+        return None  # the lease is a locked file, named when it is opened
+
+    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> Lease:
+        if self._lease_dir is None:
+            return Lease(queue_id=queue_id)  # an in-memory database dies with its process
+        self._lease_dir.mkdir(exist_ok=True)
+        path = self._lease_dir / f"{os.getpid()}-{uuid.uuid4().hex}.lease"
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, str(queue_id).encode())
+        return Lease(queue_id=queue_id, path=path, fd=fd)
+
+    def leases_committing(self, conn: Connection, leases: list[Lease]) -> None:
+        # The files go after the commit (close_leases); the commit breaks the run of rollbacks.
+        conn.execute(
+            text(
+                "UPDATE broker_queue SET rollback_count = 0 "
+                "WHERE queue_id IN (SELECT value FROM json_each(:queue_ids)) AND rollback_count > 0"
+            ),
+            {"queue_ids": json.dumps(sorted({lease.queue_id for lease in leases}))},
+        )
+
+    def close_leases(self, leases: list[Lease]) -> None:
+        # Unlink before unlocking: a reaper that gets the lock then sees the file is gone.
+        for lease in leases:
+            if lease.path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    lease.path.unlink()
+            if lease.fd is not None:
+                os.close(lease.fd)
+                lease.fd = None
+
+    def forget_leases(self, conn: Connection, leases: list[Lease]) -> list[int]:
+        self.close_leases(leases)
+        return [lease.queue_id for lease in leases]
+
+    def reap_dead_leases(self, conn: Connection) -> list[int]:
+        if self._lease_dir is None or not self._lease_dir.exists():
+            return []
+        dead: list[int] = []
+        for path in self._lease_dir.glob("*.lease"):
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # its reader is alive
+            try:
+                if os.fstat(fd).st_ino != path.stat().st_ino:
+                    continue
+            except FileNotFoundError:
+                continue  # committed (or rolled back and counted) just now
+            finally:
+                pass
+            try:
+                content = os.pread(fd, 32, 0).decode() or "0"
+                path.unlink()
+                dead.append(int(content))
+            finally:
+                os.close(fd)
+        return dead
+
+    def dead_leases(self, conn: Connection) -> list[tuple[str, int]]:
+        """Read-only: (lease file, queue id) of lease files whose lock is free: their reader died
+        holding messages and no due-work pass has counted it yet."""
+        if self._lease_dir is None or not self._lease_dir.exists():
+            return []
+        dead: list[tuple[str, int]] = []
+        for path in sorted(self._lease_dir.glob("*.lease")):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # its reader is alive
+            try:
+                dead.append((f"lease file {path.name}", int(os.pread(fd, 32, 0).decode() or "0")))
+            finally:
+                os.close(fd)  # closing releases the probe's shared lock
+        return dead
+
+    def dispose(self) -> None:
+        """Nothing held outside the pool."""
+
+
+def adapter_for(engine: Engine) -> PostgresAdapter | SqliteAdapter:
+    name = engine.dialect.name
+    if name == "postgresql":
+        if engine.dialect.driver != "psycopg":
+            raise ValueError(
+                "PostgreSQL broker databases need the psycopg (3) driver, not "
+                f"{engine.dialect.driver!r}: use a postgresql+psycopg:// URL"
+            )
+        return PostgresAdapter(engine)
+    if name == "sqlite":
+        return SqliteAdapter(engine)
+    raise ValueError(f"unsupported broker database {name!r}: use PostgreSQL or SQLite")

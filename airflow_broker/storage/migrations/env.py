@@ -1,0 +1,32 @@
+"""Alembic environment: runs on the connection ``Broker.migrate()`` (or the DB manager) hands in."""
+
+from __future__ import annotations
+
+from alembic import context
+
+from airflow_broker.storage.migrations import VERSION_TABLE
+from airflow_broker.storage.schema import metadata
+
+
+def _include_object(obj, name, type_, reflected, compare_to):
+    # The broker shares its database with Airflow: never look at tables that are not ours.
+    if type_ == "table":
+        return name.startswith("broker_")
+    return True
+
+
+def run_migrations_online() -> None:
+    connection = context.config.attributes["connection"]
+    context.configure(
+        connection=connection,
+        target_metadata=metadata,
+        version_table=VERSION_TABLE,
+        include_object=_include_object,
+        render_as_batch=connection.dialect.name == "sqlite",
+        transaction_per_migration=False,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+run_migrations_online()

@@ -1,0 +1,589 @@
+"""The inbound accept: the far broker's receiving transaction.
+
+:class:`Inbound` takes a batch of packets in one transaction of the receiving database: it inserts
+each message whose sequence number is new for its conversation and direction (holding early
+arrivals until the gap fills), creates target endpoints, fails what it cannot take with an Error
+back, forwards what it does not host, and answers every message with an acknowledgment.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import delete, select, text, tuple_, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+
+from airflow_broker.constants import (
+    END_DIALOG,
+    ERR_CONTRACT_NOT_SUPPORTED,
+    ERR_MESSAGE_INVALID,
+    ERR_SERVICE_NOT_FOUND,
+    ERROR,
+    SENDABLE_STATES,
+    STATUS_NOT_COMPLETE,
+    STATUS_READY,
+    SYSTEM_MESSAGE_TYPES,
+)
+from airflow_broker.errors import BrokerError, ContractViolation, MessageValidationError
+from airflow_broker.messaging.lookups import contract_rule, hosted_services, priority_for
+from airflow_broker.messaging.objects import error_body
+from airflow_broker.messaging.rows import insert_message, precedence
+from airflow_broker.messaging.validation import VALIDATION_CODES, validate_body
+from airflow_broker.storage import bulk
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import utcnow
+from airflow_broker.storage.context import BrokerContext
+from airflow_broker.transport.forwarding import Forwarder
+from airflow_broker.transport.packets import (
+    ACK,
+    DROPPED,
+    MESSAGE,
+    NOTICE,
+    Outcome,
+    Packet,
+    Push,
+    Unreachable,
+    _first_line,
+    _Settings,
+)
+
+log = logging.getLogger("airflow_broker")
+
+
+class Inbound:
+    """What a broker does with packets that arrive from another broker (or that it relays)."""
+
+    def __init__(self, broker: BrokerContext, push: Push | None = None) -> None:
+        self.b = broker
+        #: how a forwarding broker passes on what it does not host (None: it cannot here)
+        self.push = push
+
+    def _settings(self, conn: Connection) -> _Settings:
+        bi = s.broker_instance
+        cols: list[Any] = [bi.c.instance_id, bi.c.forwarding, bi.c.principal]
+        if self.b.dialect == "postgresql":
+            cols.append(text("pg_is_in_recovery()"))
+        row = conn.execute(select(*cols)).first()
+        if row is None:
+            raise Unreachable(f"{self.b!r} is not migrated")
+        principal = bool(row[2]) and not (len(row) > 3 and row[3])
+        return _Settings(str(row[0]), bool(row[1]), principal)
+
+    def accept(self, packets: Sequence[Packet], *, depth: int = 0) -> Outcome:
+        """Take a batch of packets: those for this broker in one transaction (messages into
+        queues, acknowledgments and notices applied), the others forwarded or refused."""
+        out = Outcome()
+        try:
+            with self.b.engine.connect() as conn:
+                settings = self._settings(conn)
+        except DBAPIError as exc:
+            raise Unreachable(_first_line(exc)) from exc
+        if not settings.principal:
+            raise Unreachable(
+                f"broker instance {settings.instance_id} at {self.b!r} is not the principal"
+            )
+        mine: list[int] = []
+        others: list[int] = []
+        with self.b.engine.connect() as conn:
+            hosted = hosted_services(self.b, conn)
+        for i, p in enumerate(packets):
+            if p.to_broker_instance == settings.instance_id or (
+                p.to_broker_instance is None and p.kind == MESSAGE and p.to_service in hosted
+            ):
+                mine.append(i)
+            else:
+                others.append(i)
+        if mine:
+            self._take(packets, mine, settings, out)
+        if others and settings.forwarding and self.push is None:
+            raise BrokerError(
+                f"broker instance {settings.instance_id} forwards, but this Inbound was made "
+                "without a way to pass packets on (give it the outbound pass's push_any)"
+            )
+        if others:
+            if settings.forwarding and self.push is not None:
+                Forwarder(self.b, settings, self.push).forward(packets, others, out, depth)
+            else:
+                for i in others:
+                    p = packets[i]
+                    if p.to_broker_instance is not None:
+                        why = (
+                            f"it is for broker instance {p.to_broker_instance}; broker instance "
+                            f"{settings.instance_id} dropped it (forwarding is off there)"
+                        )
+                    else:
+                        why = (
+                            f"service {p.to_service!r} is not hosted by broker instance "
+                            f"{settings.instance_id}, which does not forward"
+                        )
+                    out.notes[i] = (DROPPED, why)
+        return out
+
+    # -- packets for this broker ---------------------------------------------------------------
+    def _take(
+        self, packets: Sequence[Packet], indexes: list[int], settings: _Settings, out: Outcome
+    ) -> None:
+        for attempt in (1, 2):
+            answers: list[Packet] = []
+            notes: dict[int, tuple[str, str]] = {}
+            try:
+                with self.b.engine.begin() as conn:
+                    _Taker(self.b, conn, settings.instance_id, answers, notes).run(packets, indexes)
+            except IntegrityError:
+                # Another delivery created the same far endpoint at the same moment: the second
+                # try finds it and treats these messages as the duplicates they are.
+                if attempt == 2:
+                    raise
+                continue
+            except OperationalError as exc:
+                raise Unreachable(_first_line(exc)) from exc
+            out.answers.extend(answers)
+            out.notes.update(notes)
+            return
+
+
+class _Taker:
+    """One transaction of a broker taking the packets addressed to it."""
+
+    def __init__(
+        self,
+        broker: BrokerContext,
+        conn: Connection,
+        instance_id: str,
+        answers: list[Packet],
+        notes: dict[int, tuple[str, str]],
+    ) -> None:
+        self.b = broker
+        self.conn = conn
+        self.me = instance_id
+        self.answers = answers
+        self.notes = notes
+        self.now = utcnow()
+        # Writes are collected and made set-based at the end of run(): a batch of a few hundred
+        # messages on a few dozen conversations costs a handful of statements.
+        self.new_groups: list[dict[str, Any]] = []
+        self.new_endpoints: list[dict[str, Any]] = []
+        self.new_messages: list[dict[str, Any]] = []
+        self.sequences: list[dict[str, Any]] = []
+        self.bindings: list[dict[str, Any]] = []
+        self.acked: list[tuple[uuid.UUID, int]] = []
+        #: sequence number -> validation code, of the conversation being taken
+        self.validation: dict[int, str] = {}
+
+    def run(self, packets: Sequence[Packet], indexes: list[int]) -> None:
+        e = s.conversation_endpoint
+        keys = {(packets[i].conversation_id, not packets[i].from_initiator) for i in indexes}
+        stmt = (
+            select(e)
+            .where(tuple_(e.c.conversation_id, e.c.is_initiator).in_(sorted(keys)))
+            .order_by(e.c.conversation_handle)
+        )
+        if self.b.dialect == "postgresql":
+            stmt = stmt.with_for_update()
+        endpoints = {
+            (r.conversation_id, r.is_initiator): dict(r._mapping) for r in self.conn.execute(stmt)
+        }
+        with_messages = {
+            (packets[i].conversation_id, not packets[i].from_initiator)
+            for i in indexes
+            if packets[i].kind == MESSAGE
+        }
+        held = self._held(
+            [ep["conversation_handle"] for k, ep in endpoints.items() if k in with_messages]
+        )
+        by_conversation: dict[tuple[uuid.UUID, bool], list[int]] = defaultdict(list)
+        for i in indexes:
+            p = packets[i]
+            by_conversation[(p.conversation_id, not p.from_initiator)].append(i)
+        for key, idx in by_conversation.items():
+            ep = endpoints.get(key)
+            acks = [i for i in idx if packets[i].kind == ACK]
+            notices = [i for i in idx if packets[i].kind == NOTICE]
+            messages = sorted(
+                (i for i in idx if packets[i].kind == MESSAGE), key=lambda i: packets[i].seq
+            )
+            if ep is not None and acks:
+                self._acks(ep, [packets[i] for i in acks])
+            if ep is not None and notices:
+                self._notice(ep, packets[notices[0]])
+            if messages:
+                self._messages(ep, packets, messages, held)
+        self._write()
+
+    def _write(self) -> None:
+        e = s.conversation_endpoint
+        bulk.insert_rows(self.conn, s.conversation_group, self.new_groups)
+        if self.new_endpoints:
+            columns = sorted({c for ep in self.new_endpoints for c in ep} - {"_new"})
+            bulk.insert_rows(
+                self.conn, e, [{c: ep.get(c) for c in columns} for ep in self.new_endpoints]
+            )
+        bulk.insert_rows(self.conn, s.message, self.new_messages)
+        bulk.update_rows(self.conn, e, "conversation_handle", self.sequences)
+        bulk.update_rows(
+            self.conn,
+            e,
+            "conversation_handle",
+            self.bindings,
+            only_if_null=("far_broker_instance",),
+        )
+        bulk.delete_rows(
+            self.conn,
+            s.transmission_queue,
+            ("conversation_handle", "message_sequence_number"),
+            self.acked,
+        )
+
+    def _held(self, handles: list[uuid.UUID]) -> dict[uuid.UUID, dict[int, str]]:
+        """Messages that arrived out of order and wait for the gap before them to fill."""
+        if not handles:
+            return {}
+        m = s.message
+        held: dict[uuid.UUID, dict[int, str]] = defaultdict(dict)
+        for r in self.conn.execute(
+            select(m.c.conversation_handle, m.c.message_sequence_number, m.c.message_type_name)
+            .where(m.c.conversation_handle.in_(handles))
+            .where(m.c.status == STATUS_NOT_COMPLETE)
+        ):
+            held[r.conversation_handle][r.message_sequence_number] = r.message_type_name
+        return held
+
+    # acknowledgments and notices for conversations of this broker
+    def _acks(self, ep: dict[str, Any], acks: list[Packet]) -> None:
+        by = acks[0].from_broker_instance
+        bound = ep["far_broker_instance"]
+        if bound is not None and bound != by:
+            log.warning(
+                "acknowledgment from broker instance %s for conversation %s ignored: the "
+                "conversation is bound to broker instance %s",
+                by,
+                ep["conversation_handle"],
+                bound,
+            )
+            return
+        handle = ep["conversation_handle"]
+        if bound is None:
+            self.bindings.append({"conversation_handle": handle, "far_broker_instance": by})
+            ep["far_broker_instance"] = by
+        self.acked += [(handle, a.seq) for a in acks]
+
+    def _notice(self, ep: dict[str, Any], notice: Packet) -> None:
+        self._fail(
+            ep,
+            notice.error_code or ERR_SERVICE_NOT_FOUND,
+            notice.error_description or "the conversation failed on the way",
+        )
+
+    def _fail(self, ep: dict[str, Any], code: int, description: str) -> None:
+        if ep.get("_new"):
+            # Not written yet: it is created failed, with its Error message.
+            ep["state"] = "ER"
+            self.new_messages.append(
+                self._row(ep, ERROR, ep["receive_sequence"], "X", error_body(code, description))
+            )
+            log.warning("conversation %s failed: %s", ep["conversation_handle"], description)
+        else:
+            fail_endpoint(self.conn, ep, code, description, self.now)
+
+    # messages
+    def _messages(
+        self,
+        ep: dict[str, Any] | None,
+        packets: Sequence[Packet],
+        indexes: list[int],
+        held: dict[uuid.UUID, dict[int, str]],
+    ) -> None:
+        first = packets[indexes[0]]
+        if ep is None:
+            if not first.from_initiator:
+                # The initiator's endpoint is gone here (ended WITH CLEANUP): EndDialog and
+                # Error need nothing more; anything else fails the target's side.
+                if all(packets[i].message_type in (END_DIALOG, ERROR) for i in indexes):
+                    self.answers += [packets[i].answer(ACK, self.me) for i in indexes]
+                else:
+                    self._fail_back(
+                        first, ERR_SERVICE_NOT_FOUND, "the far endpoint no longer exists"
+                    )
+                return
+            ep = self._new_endpoint(first, indexes, packets)
+            if ep is None:
+                note = self.notes.get(indexes[0])
+                if note is not None:
+                    for i in indexes[1:]:
+                        self.notes[i] = note
+                return
+        bound = ep["far_broker_instance"]
+        if bound is not None and bound != first.from_broker_instance:
+            for i in indexes:
+                self.notes[i] = (
+                    DROPPED,
+                    f"conversation {first.conversation_id} is bound to broker instance {bound} "
+                    f"here, not to {first.from_broker_instance}",
+                )
+            return
+        handle = ep["conversation_handle"]
+        self.validation = {}
+        ep_held = held.setdefault(handle, {})
+        expected = ep["receive_sequence"]
+        state = ep["state"]
+        start_state = state
+        failure: tuple[int, str] | None = None
+        for i in indexes:
+            p = packets[i]
+            if p.seq < expected or p.seq in ep_held:
+                self.answers.append(p.answer(ACK, self.me))  # a duplicate: acknowledge again
+                continue
+            if state in ("ER", "CD"):
+                self.answers.append(p.answer(ACK, self.me))
+                continue
+            failure = self._check(ep, p)
+            if failure is not None:
+                self._fail_back(p, *failure)
+                break
+            if p.seq > expected:
+                self._enqueue(ep, p, STATUS_NOT_COMPLETE)
+                ep_held[p.seq] = p.message_type
+                self.answers.append(p.answer(ACK, self.me))
+                continue
+            state = self._arrive(ep, p, state)
+            expected += 1
+            self.answers.append(p.answer(ACK, self.me))
+            while expected in ep_held:
+                promoted_type = ep_held.pop(expected)
+                m = s.message
+                self.conn.execute(
+                    update(m)
+                    .where(m.c.conversation_handle == handle)
+                    .where(m.c.message_sequence_number == expected)
+                    .where(m.c.status == STATUS_NOT_COMPLETE)
+                    .values(status=STATUS_READY)
+                )
+                state = _next_state(state, promoted_type)
+                expected += 1
+        values: dict[str, Any] = {}
+        if expected != ep["receive_sequence"]:
+            values["receive_sequence"] = expected
+        if failure is not None:
+            if values:
+                self._update_endpoint(handle, values, ep)
+            self._fail(ep, *failure)
+            return
+        if state != start_state:
+            values["state"] = state
+            if state in ("ER", "CD"):
+                values["timer_due_at"] = None
+            if state == "CD":
+                values["closed_at"] = self.now
+            if state == "ER":
+                self.conn.execute(
+                    delete(s.transmission_queue).where(
+                        s.transmission_queue.c.conversation_handle == handle
+                    )
+                )
+        if values:
+            self._update_endpoint(handle, values, ep)
+
+    def _update_endpoint(
+        self, handle: uuid.UUID, values: dict[str, Any], ep: dict[str, Any]
+    ) -> None:
+        if ep.get("_new"):
+            ep.update(values)  # inserted with these values at the end
+        elif set(values) == {"receive_sequence"}:
+            self.sequences.append(
+                {"conversation_handle": handle, "receive_sequence": values["receive_sequence"]}
+            )
+        else:
+            e = s.conversation_endpoint
+            self.conn.execute(update(e).where(e.c.conversation_handle == handle).values(**values))
+        ep.update(values)
+
+    def _arrive(self, ep: dict[str, Any], p: Packet, state: str) -> str:
+        """An in-order message: into the queue (unless this side has ended), and the state it
+        leads to."""
+        if state in SENDABLE_STATES or state == "DI":
+            self._enqueue(ep, p, STATUS_READY)
+        return _next_state(state, p.message_type)
+
+    def _enqueue(self, ep: dict[str, Any], p: Packet, status: int) -> None:
+        validation = self.validation.get(p.seq, p.validation)
+        self.new_messages.append(self._row(ep, p.message_type, p.seq, validation, p.body, status))
+
+    def _row(
+        self,
+        ep: dict[str, Any],
+        message_type: str,
+        seq: int,
+        validation: str,
+        body: bytes | None,
+        status: int = STATUS_READY,
+    ) -> dict[str, Any]:
+        return {
+            "queue_id": ep["queue_id"],
+            "conversation_group_id": ep["conversation_group_id"],
+            "conversation_handle": ep["conversation_handle"],
+            "message_sequence_number": seq,
+            "status": status,
+            "priority": ep["priority"],
+            "precedence": precedence(message_type),
+            "service_name": ep["service_name"],
+            "service_contract_name": ep["contract_name"],
+            "message_type_name": message_type,
+            "validation": validation,
+            "message_body": body,
+            "enqueued_at": self.now,
+        }
+
+    def _check(self, ep: dict[str, Any], p: Packet) -> tuple[int, str] | None:
+        """Whether this broker accepts the message: its type in the contract, sent by the right
+        side, and a body that its type here validates."""
+        return self._check_in(ep["contract_name"], p)
+
+    def _check_in(self, contract: str, p: Packet) -> tuple[int, str] | None:
+        if p.message_type in SYSTEM_MESSAGE_TYPES:
+            return None
+        try:
+            sent_by, validation, schema_ = contract_rule(
+                self.b, self.conn, contract, p.message_type
+            )
+        except BrokerError as exc:
+            return ERR_MESSAGE_INVALID, f"at broker instance {self.me}: {exc}"
+        side = "initiator" if p.from_initiator else "target"
+        if sent_by not in (side, "any"):
+            return (
+                ERR_MESSAGE_INVALID,
+                f"contract {contract!r} lets only the {sent_by} send message type "
+                f"{p.message_type!r}",
+            )
+        try:
+            validate_body(p.message_type, validation, schema_, p.body)
+        except (MessageValidationError, ContractViolation) as exc:
+            return ERR_MESSAGE_INVALID, f"discarded at broker instance {self.me}: {exc}"
+        # RECEIVE shows how this broker validated the body.
+        self.validation[p.seq] = VALIDATION_CODES[validation]
+        return None
+
+    def _new_endpoint(
+        self, first: Packet, indexes: list[int], packets: Sequence[Packet]
+    ) -> dict[str, Any] | None:
+        """The target endpoint a dialog's first message to arrive here creates."""
+        hosted = hosted_services(self.b, self.conn).get(first.to_service)
+        if hosted is None:
+            self.notes[indexes[0]] = (
+                DROPPED,
+                f"service {first.to_service!r} is not hosted by broker instance {self.me}",
+            )
+            return None
+        queue_id, queue_name = hosted.queue_id, hosted.queue_name
+        if not hosted.accepts(first.contract):
+            self._fail_back(
+                first,
+                ERR_CONTRACT_NOT_SUPPORTED,
+                f"service {first.to_service!r} does not accept contract {first.contract!r}",
+            )
+            return None
+        if not hosted.queue_status:
+            self.notes[indexes[0]] = (
+                DROPPED,
+                f"the queue {queue_name!r} of service {first.to_service!r} is disabled",
+            )
+            return None
+        if first.seq == 0:
+            # A dialog whose first message is refused leaves nothing behind here.
+            failure = self._check_in(first.contract, first)
+            if failure is not None:
+                self._fail_back(first, *failure)
+                for i in indexes[1:]:
+                    self.notes[i] = (DROPPED, "an earlier message of its conversation was refused")
+                return None
+        handle, group = uuid.uuid4(), uuid.uuid4()
+        prio = priority_for(self.b, self.conn, first.contract, first.to_service, first.from_service)
+        ep = {
+            "conversation_handle": handle,
+            "conversation_id": first.conversation_id,
+            "is_initiator": not first.from_initiator,
+            "conversation_group_id": group,
+            "queue_id": queue_id,
+            "service_name": first.to_service,
+            "far_service": first.from_service,
+            "far_broker_instance": first.from_broker_instance,
+            "far_handle": None,
+            "contract_name": first.contract,
+            "state": "CO",
+            "priority": prio,
+            "lifetime": first.lifetime,
+            "send_sequence": 0,
+            "receive_sequence": 0,
+            "created_at": self.now,
+        }
+        self.new_groups.append({"conversation_group_id": group, "queue_id": queue_id})
+        self.new_endpoints.append(ep)
+        ep["_new"] = True
+        return ep
+
+    def _fail_back(self, p: Packet, code: int, description: str) -> None:
+        log.warning("%s refused: %s", p.describe(), description)
+        self.answers.append(p.answer(NOTICE, self.me, code, description))
+
+
+def apply_answers(
+    broker: BrokerContext, conn: Connection, me: str, answers: Sequence[Packet]
+) -> tuple[int, int]:
+    """A sender applies what far brokers answered it, in the caller's transaction:
+    acknowledgments take messages out of the transmission queue (and bind the conversation to
+    the broker that answered first), Error notices fail the conversation. Returns the counts
+    of (acknowledgments, notices)."""
+    _Taker(broker, conn, me, [], {}).run(answers, list(range(len(answers))))
+    acks = sum(1 for a in answers if a.kind == ACK)
+    return acks, sum(1 for a in answers if a.kind == NOTICE)
+
+
+def _next_state(state: str, message_type: str) -> str:
+    """The state an endpoint goes to when an EndDialog or Error arrives in order."""
+    if message_type == END_DIALOG:
+        if state == "DO":
+            return "CD"
+        if state in SENDABLE_STATES:
+            return "DI"
+    elif message_type == ERROR:
+        return "CD" if state in ("DO", "CD") else "ER"
+    return state
+
+
+def fail_endpoint(
+    conn: Connection, ep: dict[str, Any], code: int, description: str, now: datetime
+) -> None:
+    """The conversation failed: this side gets an Error message and goes to ER; whatever it
+    still had to send is dropped."""
+    if ep["state"] in ("ER", "CD"):
+        return
+    e = s.conversation_endpoint
+    handle = ep["conversation_handle"]
+    conn.execute(
+        insert_message(
+            queue_id=ep["queue_id"],
+            group_id=ep["conversation_group_id"],
+            handle=handle,
+            seq=ep["receive_sequence"],
+            priority=ep["priority"],
+            service_name=ep["service_name"],
+            contract=ep["contract_name"],
+            message_type=ERROR,
+            validation="X",
+            body=error_body(code, description),
+            now=now,
+        )
+    )
+    conn.execute(
+        update(e).where(e.c.conversation_handle == handle).values(state="ER", timer_due_at=None)
+    )
+    conn.execute(
+        delete(s.transmission_queue).where(s.transmission_queue.c.conversation_handle == handle)
+    )
+    ep["state"] = "ER"
+    log.warning("conversation %s failed: %s", handle, description)

@@ -1,0 +1,356 @@
+"""The outbound pass: :class:`Transport` moves due rows of the transmission queue to the far
+broker databases, in batches per conversation and destination, and applies their answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import delete, select, tuple_
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
+
+from airflow_broker import metrics, routing
+from airflow_broker.messaging.delivery import RETRY_BASE, backoff
+from airflow_broker.messaging.duework import DueWork
+from airflow_broker.messaging.lookups import hosted_services
+from airflow_broker.routing import dynamic
+from airflow_broker.routing.routes import routes_of
+from airflow_broker.storage import bulk
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import aware, utcnow
+from airflow_broker.storage.context import BrokerContext
+from airflow_broker.transport import route_requests
+from airflow_broker.transport.forwarding import (
+    _key,
+    _memory_lock,
+    _memory_transit,
+    _packet_of_transit,
+)
+from airflow_broker.transport.inbound import Inbound, apply_answers
+from airflow_broker.transport.packets import (
+    _UNREACHABLE,
+    DROPPED,
+    HELD,
+    MESSAGE,
+    DeliveryReport,
+    Outcome,
+    Packet,
+    Unreachable,
+    _first_line,
+)
+from airflow_broker.transport.resolve import resolve
+
+log = logging.getLogger("airflow_broker")
+
+
+class Transport:
+    """Moves this broker's transmission queue (and, forwarding, its messages in transit)."""
+
+    #: messages per push to a far broker (one transaction there)
+    BATCH = 500
+
+    def __init__(self, broker: BrokerContext) -> None:
+        self.b = broker
+
+    def after_push(self, address: str, sent: int) -> None:
+        """Called after a far broker committed a batch of ``sent`` messages and before this
+        broker records the acknowledgments (an instrumentation point; crash tests use it)."""
+
+    # -- pushing -------------------------------------------------------------------------------
+    def push(self, address: str, packets: Sequence[Packet], depth: int = 0) -> Outcome:
+        """Hand ``packets`` to the broker at ``address``; raises :class:`Unreachable`."""
+        try:
+            peer = resolve(self.b, address)
+        except DBAPIError as exc:
+            raise Unreachable(f"{address}: {_first_line(exc)}") from exc
+        try:
+            outcome = Inbound(peer, Transport(peer).push_any).accept(packets, depth=depth)
+        except Unreachable as exc:
+            raise Unreachable(f"cannot deliver to {address}: {exc}") from exc
+        except DBAPIError as exc:
+            raise Unreachable(f"cannot deliver to {address}: {_first_line(exc)}") from exc
+        self.after_push(address, len(packets))
+        return outcome
+
+    def push_any(
+        self, addresses: Iterable[str], packets: Sequence[Packet], depth: int = 0
+    ) -> tuple[Outcome | None, list[str]]:
+        """Try the addresses in order (alternatives: mirror, several routes to one broker) until
+        one takes the batch. Returns its outcome (None if none could) and the failures."""
+        failures: list[str] = []
+        for address in addresses:
+            if depth > routing.MAX_HOPS + 1:
+                failures.append("too deep a chain of forwarders")
+                break
+            try:
+                return self.push(address, packets, depth), failures
+            except Unreachable as exc:
+                failures.append(str(exc))
+                log.info("%s", exc)
+        return None, failures
+
+    # -- the delivery pass ---------------------------------------------------------------------
+    def deliver(
+        self, max_messages: int | None = None, *, retry_now: bool = False
+    ) -> DeliveryReport:
+        counts: dict[str, int] = defaultdict(int)
+        budget = max_messages
+        after: list[Any] = []
+        while budget is None or budget > 0:
+            n = self._transmission_batch(
+                self.BATCH if budget is None else min(self.BATCH, budget), retry_now, counts, after
+            )
+            if n == 0:
+                break
+            if budget is not None:
+                budget -= n
+        self._transit_pass(retry_now, counts)
+        route_requests.answer_requests(self.b)
+        unreachable = counts.pop(_UNREACHABLE, 0)
+        report = DeliveryReport(**counts)
+        metrics.incr(metrics.TRANSPORT_FAILED, unreachable)
+        metrics.incr(metrics.DELIVERY_FAILED, report.failed)
+        return report
+
+    def _transmission_batch(
+        self, limit: int, retry_now: bool, counts: dict[str, int], after: list[Any]
+    ) -> int:
+        """Take up to ``limit`` due messages (none taken before in this pass), deliver them;
+        returns how many were taken."""
+        b = self.b
+        t, e = s.transmission_queue, s.conversation_endpoint
+        now = utcnow()
+        stmt = (
+            select(
+                t,
+                e.c.state,
+                e.c.far_broker_instance.label("bound_instance"),
+                e.c.service_name.label("ep_service"),
+            )
+            .join(e, e.c.conversation_handle == t.c.conversation_handle)
+            .order_by(t.c.conversation_handle, t.c.message_sequence_number)
+            .limit(limit)
+        )
+        if not retry_now:
+            stmt = stmt.where(t.c.next_attempt_at <= now)
+        if after:
+            # Keyset: each batch starts where the last one ended (rows it could not deliver stay).
+            stmt = stmt.where(
+                tuple_(t.c.conversation_handle, t.c.message_sequence_number) > tuple_(*after)
+            )
+        if b.dialect == "postgresql":
+            stmt = stmt.with_for_update(of=t, skip_locked=True)
+        with b.engine.connect() as conn:
+            rows = conn.execute(stmt).all()
+            if not rows:
+                conn.rollback()
+                return 0
+            after[:] = [rows[-1].conversation_handle, rows[-1].message_sequence_number]
+            me = b.instance_id_on(conn)
+            plan = self._plan(conn, list(rows), me, now)
+            if b.dialect != "postgresql":
+                # SQLite: no lock is held while far brokers are called; results are written in
+                # one write transaction afterwards (a duplicate push is harmless).
+                conn.rollback()
+            results = self._send(plan)
+            self._record(conn, plan, results, me, now, counts)
+            conn.commit()
+        route_requests.request_routes(self.b, plan["missing"])
+        return len(rows)
+
+    def _plan(self, conn: Connection, rows: list[Any], me: str, now: datetime) -> dict[str, Any]:
+        """Route each conversation: local ones, remote ones by address, delayed ones."""
+        routes = routes_of(self.b, conn)
+        hosted = hosted_services(self.b, conn)
+        by_handle: dict[uuid.UUID, list[Any]] = defaultdict(list)
+        for r in rows:
+            by_handle[r.conversation_handle].append(r)
+        local: list[uuid.UUID] = []
+        delayed: dict[uuid.UUID, str] = {}
+        remote: dict[tuple[str, ...], list[Packet]] = defaultdict(list)
+        packet_rows: dict[tuple[uuid.UUID, int], Any] = {}
+        missing: set[str] = set()
+        for handle, msgs in by_handle.items():
+            first = msgs[0]
+            asked = first.bound_instance
+            service = first.to_service_name
+            decision = routing.delivery_decision(
+                routes,
+                service,
+                asked,
+                dialog_id=first.conversation_id,
+                me=me,
+                now=now,
+                hosted=list(hosted),
+                dynamic_routing=dynamic.present(routes, service, now)
+                and (service in missing or not dynamic.pending(conn, service, now)),
+            )
+            if decision.kind == "local":
+                local.append(handle)
+                continue
+            if decision.kind == "delayed":
+                if decision.step == 4:
+                    missing.add(service)
+                delayed[handle] = decision.reason + " (the conversation is delayed and retried)"
+                continue
+            target = asked or decision.broker_instance
+            for r in msgs:
+                p = Packet(
+                    MESSAGE,
+                    r.conversation_id,
+                    r.is_initiator,
+                    r.from_service_name,
+                    me,
+                    r.to_service_name,
+                    target,
+                    r.message_sequence_number,
+                    contract=r.service_contract_name,
+                    message_type=r.message_type_name,
+                    validation=r.validation,
+                    body=r.message_body,
+                    lifetime=aware(r.lifetime),
+                )
+                remote[decision.addresses].append(p)
+                packet_rows[(r.conversation_id, r.message_sequence_number)] = r
+        return {
+            "missing": missing,
+            "rows": by_handle,
+            "local": local,
+            "delayed": delayed,
+            "remote": remote,
+            "packet_rows": packet_rows,
+        }
+
+    def _send(self, plan: dict[str, Any]) -> list[tuple[list[Packet], Outcome | None, str]]:
+        results: list[tuple[list[Packet], Outcome | None, str]] = []
+        for addresses, packets in plan["remote"].items():
+            for start in range(0, len(packets), self.BATCH):
+                batch = packets[start : start + self.BATCH]
+                outcome, failures = self.push_any(addresses, batch)
+                if outcome is not None:
+                    # Dropped by the first broker that answered: try the alternatives for those.
+                    dropped = [j for j, (kind, _) in outcome.notes.items() if kind == DROPPED]
+                    if dropped and len(addresses) > 1:
+                        retry = [batch[j] for j in dropped]
+                        alt, _ = self.push_any(addresses[1:], retry)
+                        if alt is not None:
+                            outcome.answers.extend(alt.answers)
+                            for j in dropped:
+                                outcome.notes.pop(j, None)
+                            for k, note in alt.notes.items():
+                                outcome.notes[dropped[k]] = note
+                results.append((batch, outcome, "; ".join(failures)))
+        return results
+
+    def _record(
+        self,
+        conn: Connection,
+        plan: dict[str, Any],
+        results: list[tuple[list[Packet], Outcome | None, str]],
+        me: str,
+        now: datetime,
+        counts: dict[str, int],
+    ) -> None:
+
+        t = s.transmission_queue
+        work = DueWork(self.b, conn)
+        for handle in plan["local"]:
+            went = work.flush_conversation(handle, now)
+            counts["delivered"] += went
+            counts["delayed"] += len(plan["rows"][handle]) - went
+        waiting: list[tuple[Any, str]] = []
+        for handle, reason in plan["delayed"].items():
+            waiting += [(r, reason) for r in plan["rows"][handle]]
+        answers_for_me: list[Packet] = []
+        relay: list[Packet] = []
+        for batch, outcome, failure in results:
+            if outcome is None:
+                counts[_UNREACHABLE] += len(batch)  # the broker.transport_failed metric
+                waiting += [
+                    (plan["packet_rows"][(p.conversation_id, p.seq)], failure) for p in batch
+                ]
+                continue
+            answered = {
+                (a.conversation_id, a.seq) for a in outcome.answers if a.to_broker_instance == me
+            }
+            for j, p in enumerate(batch):
+                if (p.conversation_id, p.seq) in answered:
+                    continue
+                _kind, reason = outcome.notes.get(
+                    j, (HELD, "sent; waiting for the final destination's acknowledgment")
+                )
+                waiting.append((plan["packet_rows"][(p.conversation_id, p.seq)], reason))
+            for a in outcome.answers:
+                (answers_for_me if a.to_broker_instance == me else relay).append(a)
+        if answers_for_me:
+            acks, notices = apply_answers(self.b, conn, me, answers_for_me)
+            counts["acknowledged"] += acks
+            counts["delivered"] += acks
+            counts["failed"] += notices
+        bulk.update_rows(
+            conn,
+            t,
+            "id",
+            [
+                {
+                    "id": r.id,
+                    "attempts": r.attempts + 1,
+                    "transmission_status": reason,
+                    "next_attempt_at": now + backoff(r.attempts + 1),
+                }
+                for r, reason in waiting
+            ],
+        )
+        counts["delayed"] += len(waiting)
+        if waiting:
+            self.b.note_due(now + RETRY_BASE)
+        if relay:
+            self._relay(relay, counts)
+
+    def _relay(self, answers: list[Packet], counts: dict[str, int]) -> None:
+        """Answers for other brokers (this one forwards): pass them on like any packet."""
+        outcome = Inbound(self.b, self.push_any).accept(answers)
+        counts["forwarded"] += outcome.forwarded
+        counts["discarded"] += outcome.discarded
+
+    def _transit_pass(self, retry_now: bool, counts: dict[str, int]) -> None:
+        """A forwarder's held packets: try their next hop again."""
+        b = self.b
+        now = utcnow()
+        if b.dialect == "postgresql":
+            tr = s.transit
+            with b.engine.begin() as conn:
+                stmt = (
+                    select(tr).order_by(tr.c.id).limit(self.BATCH).with_for_update(skip_locked=True)
+                )
+                if not retry_now:
+                    stmt = stmt.where(tr.c.next_attempt_at <= now)
+                rows = [dict(r._mapping) for r in conn.execute(stmt)]
+                if not rows:
+                    return
+                conn.execute(delete(tr).where(tr.c.id.in_([r["id"] for r in rows])))
+        else:
+            with _memory_lock:
+                store = _memory_transit.get(_key(b), [])
+                rows = [
+                    r
+                    for r in store
+                    if retry_now or aware(r["next_attempt_at"]) <= now  # type: ignore[operator]
+                ]
+                if not rows:
+                    return
+                taken = {id(r) for r in rows}
+                store[:] = [r for r in store if id(r) not in taken]
+        packets = [_packet_of_transit(r) for r in rows]
+        outcome = Inbound(b, Transport(b).push_any).accept(packets)
+        counts["forwarded"] += outcome.forwarded
+        counts["discarded"] += outcome.discarded
+        if outcome.answers:
+            # Answers for the senders of what was just forwarded: relay them on the way back.
+            self._relay(outcome.answers, counts)

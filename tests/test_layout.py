@@ -1,0 +1,190 @@
+"""The package's shape: layers held by import-linter, every package shipped, old paths kept,
+module sizes bounded, and one consistent PySpark installed."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "airflow_broker"
+#: A module longer than this says in its docstring why it is one module.
+MAX_LINES = 600
+WHY_MARKER = "One module because"
+
+
+def test_import_contracts_hold() -> None:
+    """The layers contract, the two forbidden contracts (shared leaves import no layer; nothing
+    but the Airflow glue imports airflow) and the acyclic contract (pyproject.toml)."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    done = subprocess.run(
+        [str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 broken" in done.stdout
+
+
+def test_a_layer_violation_breaks_the_contract(tmp_path: Path) -> None:
+    """The contract can fail: in a copy of the package, a storage module importing the facade
+    is reported."""
+    copy = tmp_path / "airflow_broker"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "storage" / "probe.py").write_text("from airflow_broker.broker import Broker\n")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = "\n    ".join(config["contracts"][0]["layers"])
+    ini = tmp_path / "contracts.ini"
+    ini.write_text(
+        "[importlinter]\nroot_package = airflow_broker\n\n"
+        "[importlinter:contract:layers]\nname = layers\ntype = layers\n"
+        f"containers = airflow_broker\nlayers =\n    {layers}\n"
+    )
+    lint = Path(sys.executable).with_name("lint-imports")
+    done = subprocess.run(
+        [str(lint), "--no-cache", "--config", str(ini)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0, done.stdout
+    assert "airflow_broker.storage is not allowed to import airflow_broker.broker" in " ".join(
+        done.stdout.split()
+    )
+
+
+def test_every_package_directory_is_shipped() -> None:
+    """pyproject lists packages explicitly (hooks/, operators/, sensors/ are mapped into the
+    namespace): a new subpackage that is not listed would be missing from the wheel."""
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in PACKAGE.rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+    assert found - listed == set()
+
+
+def _module_docstring(path: Path) -> str:
+    return ast.get_docstring(ast.parse(path.read_text())) or ""
+
+
+def test_modules_stay_small_or_say_why() -> None:
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "migrations" in path.parts:
+            continue
+        lines = path.read_text().count("\n")
+        if lines > MAX_LINES and WHY_MARKER not in _module_docstring(path):
+            too_long.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert too_long == []
+
+
+def test_every_layer_says_its_job() -> None:
+    for layer in ("storage", "routing", "messaging", "transport", "operations", "activation"):
+        assert len(_module_docstring(PACKAGE / layer / "__init__.py")) > 100, layer
+    assert "only" in _module_docstring(PACKAGE / "provider" / "__init__.py").lower()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "name"),
+    [
+        (
+            "airflow_broker.triggers.activation",
+            "airflow_broker.provider.triggers.activation",
+            "QueueActivationTrigger",
+        ),
+        (
+            "airflow_broker.triggers.conversation",
+            "airflow_broker.provider.triggers.conversation",
+            "ConversationMessageTrigger",
+        ),
+        ("airflow_broker.dbmanager", "airflow_broker.provider.dbmanager", "BrokerDBManager"),
+        ("airflow_broker.runner", "airflow_broker.activation.runner", "ActivationRunner"),
+        ("airflow_broker.monitoring", "airflow_broker.operations.monitoring", "queues"),
+        ("airflow_broker.schema", "airflow_broker.storage.schema", "message"),
+    ],
+)
+def test_old_paths_still_import_the_same_objects(old: str, new: str, name: str) -> None:
+    """Serialized triggers name their classpath; airflow.cfg names the DB manager; user code
+    imports the flat layout's modules. Each old path gives the very same object, with a
+    DeprecationWarning, and the module keeps its new identity."""
+    sys.modules.pop(old, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        moved = importlib.import_module(old)
+    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
+    real = importlib.import_module(new)
+    assert moved is real
+    assert getattr(moved, name) is getattr(real, name)
+    assert real.__spec__ is not None
+    assert real.__spec__.name == new
+
+
+def test_a_stored_trigger_classpath_of_the_flat_layout_loads() -> None:
+    """What Airflow does with a trigger row written before the move."""
+    from airflow.sdk.module_loading import import_string
+
+    from airflow_broker.provider.triggers.activation import QueueActivationTrigger
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cls = import_string("airflow_broker.triggers.activation.QueueActivationTrigger")
+    assert cls is QueueActivationTrigger
+
+
+def test_the_engine_imports_without_airflow() -> None:
+    """The engine, in a process where importing airflow fails."""
+    program = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'airflow' or name.startswith('airflow.'):\n"
+        "            raise ImportError('airflow is blocked in this test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import airflow_broker, airflow_broker.cli, airflow_broker.transport\n"
+        "import airflow_broker.operations.monitoring, airflow_broker.examples.purchase_order\n"
+        "b = airflow_broker.Broker.connect('sqlite://')\n"
+        "b.migrate()\n"
+        "print('ok', 'airflow' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok False"
+
+
+def _jar_version() -> str:
+    import pyspark
+
+    jars = Path(pyspark.__file__).parent / "jars"
+    cores = sorted(jars.glob("spark-core_*.jar"))
+    assert cores, f"no spark-core jar in {jars}: pyspark is installed without its jars"
+    match = re.fullmatch(r"spark-core_[0-9.]+-(.+)\.jar", cores[0].name)
+    assert match, cores[0].name
+    return match.group(1)
+
+
+def test_pyspark_python_files_and_jars_are_one_release() -> None:
+    """pyspark and pyspark-client both install the `pyspark` package; if an installer wrote the
+    client's Python files of another release over pyspark's, the job would call JVM constructors
+    that do not exist (the first Python UDF fails)."""
+    import pyspark
+
+    assert pyspark.__version__ == _jar_version(), (
+        f"pyspark's Python files are {pyspark.__version__} but its jars are {_jar_version()}: "
+        "pin pyspark and pyspark-client to the same release"
+    )
