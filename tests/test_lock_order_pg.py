@@ -30,6 +30,7 @@ from helpers import (
     send,
 )
 from races import orphans, race
+from sqlalchemy import text
 from transport_procs import (
     TARGET_QUEUE,
     connect_all,
@@ -39,7 +40,7 @@ from transport_procs import (
     two_way,
 )
 
-from airflow_broker import Broker, Transaction
+from airflow_broker import Broker, ConversationEnded, Transaction
 from airflow_broker.storage import clock
 
 pytestmark = pytest.mark.postgres
@@ -102,6 +103,46 @@ def test_both_sides_ending_at_once_do_not_deadlock(pair: Broker) -> None:
     assert pair.transmission_queue() == []
     with pair.transaction() as tx:
         assert tx.receive(SUPPLIER_QUEUE) == [] and tx.receive(BUYER_QUEUE) == []
+    assert pair.check() == []
+
+
+def test_end_after_the_far_end_does_not_wait_for_a_send_that_holds_the_far_endpoint(
+    pair: Broker,
+) -> None:
+    """The initiator has ended (DO) and the target, told (DI), ends too: its END closes the
+    initiator's endpoint. Meanwhile a SEND on several conversations, the ended initiator among
+    them, locks its senders and waits (KEY SHARE) for the target's endpoint, which the END
+    holds. The END once updated the initiator's endpoint there and then: a deadlock (the stress
+    run found it). Now it does not wait for a far endpoint someone holds (rule 4): its
+    EndDialog waits in the transmission queue, and due work closes the initiator with it."""
+    h, t = open_order(pair)
+    other, _ = open_order(pair)
+    with pair.transaction() as tx:
+        tx.end_conversation(h)
+    assert (_state(pair, h), _state(pair, t)) == ("DO", "DI")
+
+    def end_locks_its_endpoint(tx: Transaction) -> None:
+        # END CONVERSATION's first step (after the group): its own endpoint FOR UPDATE.
+        tx.connection.execute(
+            text(
+                "SELECT 1 FROM broker_conversation_endpoint"
+                " WHERE conversation_handle = :h FOR UPDATE"
+            ),
+            {"h": t},
+        )
+
+    def send_on_both(tx: Transaction) -> None:
+        tx.send([other, h], NOTE, "both")
+
+    ended, sent = race(
+        pair, end_locks_its_endpoint, send_on_both, then=lambda tx: tx.end_conversation(t)
+    )
+    assert ended is None, ended
+    assert isinstance(sent, ConversationEnded), sent
+    assert _state(pair, t) == "CD"
+    pair.run_due()  # the EndDialog that waited for the initiator's endpoint
+    assert _state(pair, h) == "CD"
+    assert pair.transmission_queue() == []
     assert pair.check() == []
 
 

@@ -327,8 +327,36 @@ class Delivery:
             )
         )
 
+    def close_far(self, sender: Any, seq: int, now: datetime) -> bool:
+        """END on a side whose far side, in this database, ended first (``sender`` is in DI):
+        close the far endpoint, which waits in DO for this END.
+
+        Rule 4 of the lock order: this side's endpoint is held, so the far one is not waited
+        for. When another transaction holds it (its owner SENDs or ENDs on it, a cleanup
+        removes it), the EndDialog ``seq`` waits in the transmission queue and due work closes
+        the far endpoint with it in a moment: then True (``seq`` is used). A far endpoint that
+        is gone, or no longer DO, needs nothing."""
+        far_state = sender.far_state
+        if self.b.dialect == "postgresql":
+            far_state = self._lock_far(sender.far_handle)
+        if far_state == "busy":
+            self._to_transmission(
+                sender,
+                Outgoing(END_DIALOG, seq, None, "E", now),
+                "waiting for the far endpoint to be free",
+                retry_in=timedelta(0),
+            )
+            return True
+        if far_state == "DO":
+            self._far_ended(sender.far_handle, END_DIALOG, far_state, now)
+        return False
+
     def _far_removed(self, sender: Any, now: datetime) -> None:
         """The far endpoint was removed WITH CLEANUP: the conversation is gone there."""
+        if sender.state == "CD":
+            # A closed side's waiting EndDialog: there is no one left to tell, nor to tell it.
+            log.debug("EndDialog of %s: the far endpoint is gone", sender.conversation_handle)
+            return
         self._error_back(
             sender,
             ERR_SERVICE_NOT_FOUND,

@@ -106,11 +106,13 @@ class Ending(TransactionCore):
             # The far side has ended (or errored), or was never told of this dialog.
             self._execute(update(e).where(e.c.conversation_handle == h).values(**closed))
             if row.state == "DI" and row.far_handle is not None:
-                self._execute(
-                    update(e)
-                    .where(e.c.conversation_handle == row.far_handle, e.c.state == "DO")
-                    .values(**closed)
-                )
+                # The far side, in this database, waits (DO) for this END: close it, without
+                # waiting for it while this side is held (rule 4 of the lock order).
+                seq = row.send_sequence
+                if Delivery(self.broker, self.connection).close_far(row, seq, now):
+                    self._execute(
+                        update(e).where(e.c.conversation_handle == h).values(send_sequence=seq + 1)
+                    )
             return
         self._execute(
             update(e).where(e.c.conversation_handle == h).values(state="DO", timer_due_at=None)
