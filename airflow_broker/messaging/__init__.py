@@ -40,7 +40,10 @@ The lock order (PostgreSQL)
        side is sending or ending too) the message waits in the transmission queue, behind
        nothing and ahead of what follows, until due work delivers it. Both sides of a dialog
        ENDing at once would otherwise deadlock. A far endpoint that has ended (DO, CD) takes no
-       more messages: an EndDialog or Error closes it, anything else is discarded.
+       more messages: an EndDialog or Error closes it, anything else is discarded. END on a
+       side whose far side ended first (DI) closes the far endpoint the same way: at once when
+       it is free, else by an EndDialog that waits in the transmission queue (a SEND that
+       holds the far endpoint may be waiting for this one).
     5. SEND's fast path is one statement; when it had to wait for its sender's row, which
        another SEND changed meanwhile, it hands over to the general path rather than act on
        its older snapshot (which could not see that SEND's message waiting in the transmission
