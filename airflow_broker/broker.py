@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from typing import Any
 
 from airflow_broker.messaging.arguments import UNSET
@@ -33,7 +34,7 @@ from airflow_broker.messaging.objects import (
 )
 from airflow_broker.messaging.transaction import Transaction
 from airflow_broker.operations import check as consistency
-from airflow_broker.operations import observation
+from airflow_broker.operations import housekeeping, observation
 from airflow_broker.operations.check import Problem
 from airflow_broker.storage.context import BrokerContext, Resolver
 from airflow_broker.storage.migrate import migrate_on
@@ -228,6 +229,14 @@ class Broker(BrokerContext):
         RECEIVE does this too as it polls; call this from a scheduler or the activation monitor
         so that timers fire on queues nobody is reading."""
         return run_due(self)
+
+    def purge(
+        self, retention: housekeeping.Retention | None = None, *, now: datetime | None = None
+    ) -> housekeeping.PurgeReport:
+        """Remove events, queue depth samples and closed endpoints older than ``retention``
+        (defaults: 30 days, 7 days, 30 minutes); see :mod:`airflow_broker.operations.housekeeping`.
+        The transmitter runs this in Airflow; ``airflow-broker purge`` from the shell."""
+        return housekeeping.purge(self, retention, now=now)
 
     # -- consistency ---------------------------------------------------------------------------
     def check(self, repair: bool = False) -> list[Problem]:

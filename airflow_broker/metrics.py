@@ -13,6 +13,10 @@ Metrics (names before Airflow's ``statsd_prefix``):
 =====================================  =======  ==================================================
 ``broker.queue_depth.<queue>``         gauge    ready messages of a queue, at each depth sample
                                                 (:func:`airflow_broker.operations.sampling.sample_queue_depths`)
+``broker.queue_oldest_age.<queue>``    gauge    seconds the oldest ready message of a queue has
+                                                waited (0 when none waits), at each depth sample
+``broker.transmission_queue.depth``    gauge    messages waiting to leave (transmission queue)
+``broker.transmission_queue.oldest_age`` gauge  seconds the oldest of them has waited (0: none)
 ``broker.messages_sent``               counter  messages SENT by committed transactions (one per
                                                 conversation a SEND names)
 ``broker.messages_received``           counter  messages RECEIVEd by committed transactions
@@ -40,6 +44,9 @@ from typing import Protocol
 log = logging.getLogger("airflow_broker.metrics")
 
 QUEUE_DEPTH = "broker.queue_depth"
+QUEUE_OLDEST_AGE = "broker.queue_oldest_age"
+TRANSMISSION_DEPTH = "broker.transmission_queue.depth"
+TRANSMISSION_OLDEST_AGE = "broker.transmission_queue.oldest_age"
 MESSAGES_SENT = "broker.messages_sent"
 MESSAGES_RECEIVED = "broker.messages_received"
 TRANSPORT_FAILED = "broker.transport_failed"
@@ -126,6 +133,9 @@ __all__ = [
     "MESSAGES_SENT",
     "QUEUES_DISABLED",
     "QUEUE_DEPTH",
+    "QUEUE_OLDEST_AGE",
+    "TRANSMISSION_DEPTH",
+    "TRANSMISSION_OLDEST_AGE",
     "TRANSPORT_FAILED",
     "Sink",
     "enabled",

@@ -255,9 +255,13 @@ def test_metrics_reach_statsd_through_airflow_stats(tmp_path: Path) -> None:
             counters[name] += int(value)
         elif kind.startswith("g"):
             gauges[name] = float(value)
+    assert 0 <= gauges.pop("brokertest.broker.queue_oldest_age.supplier_queue") < 60, lines
     assert gauges == {
         "brokertest.broker.queue_depth.buyer_queue": 0,
         "brokertest.broker.queue_depth.supplier_queue": 2,
+        "brokertest.broker.queue_oldest_age.buyer_queue": 0,
+        "brokertest.broker.transmission_queue.depth": 0,
+        "brokertest.broker.transmission_queue.oldest_age": 0,
     }, lines
     assert dict(counters) == {
         "brokertest.broker.messages_sent": 3 + 2 + 2,

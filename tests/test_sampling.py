@@ -231,19 +231,42 @@ def test_monitors_sample_as_they_run(pair: Broker) -> None:
     assert count(pair) == 2
 
 
-def test_a_pass_sets_the_depth_gauges(pair: Broker, recorder: Recorder) -> None:
+def test_a_pass_sets_the_depth_and_age_gauges(pair: Broker, recorder: Recorder) -> None:
     send(pair, begin(pair), NOTE, "x", "y")
     pair.create_queue("team.orders/eu")
     recorder.calls.clear()
-    sampling.sample_queue_depths(pair)
-    assert sorted(recorder.calls) == [
-        ("gauge", "broker.queue_depth.buyer_queue", 0, {"queue": BUYER_QUEUE}),
-        ("gauge", "broker.queue_depth.supplier_queue", 2, {"queue": SUPPLIER_QUEUE}),
-        ("gauge", "broker.queue_depth.team__orders_eu", 0, {"queue": "team.orders/eu"}),
-    ]
+    sampling.sample_queue_depths(pair, now=utcnow() + timedelta(seconds=60))
+    gauges = {(name, value) for _, name, value, _ in recorder.calls}
+    tags = {name: tag for _, name, _, tag in recorder.calls}
+    ages = {name: value for name, value in gauges if "oldest_age" in name}
+    assert {(n, v) for n, v in gauges if "oldest_age" not in n} == {
+        ("broker.queue_depth.buyer_queue", 0),
+        ("broker.queue_depth.supplier_queue", 2),
+        ("broker.queue_depth.team__orders_eu", 0),
+        ("broker.transmission_queue.depth", 0),
+    }
+    assert 59 <= ages.pop("broker.queue_oldest_age.supplier_queue") < 70
+    assert ages == {
+        "broker.queue_oldest_age.buyer_queue": 0,
+        "broker.queue_oldest_age.team__orders_eu": 0,
+        "broker.transmission_queue.oldest_age": 0,
+    }
+    assert tags["broker.queue_oldest_age.team__orders_eu"] == {"queue": "team.orders/eu"}
+    assert tags["broker.transmission_queue.depth"] is None
     recorder.calls.clear()
     assert sampling.sample_queue_depths(pair) is None
     assert recorder.calls == []
+
+
+def test_the_transmission_gauges_show_what_waits_to_leave(pair: Broker, recorder: Recorder) -> None:
+    pair.alter_queue(SUPPLIER_QUEUE, status=False)  # SENDs wait in the transmission queue
+    send(pair, begin(pair), NOTE, "x", "y", "z")
+    recorder.calls.clear()
+    sampling.sample_queue_depths(pair, now=utcnow() + timedelta(seconds=120))
+    gauges = {name: value for _, name, value, _ in recorder.calls}
+    assert gauges["broker.transmission_queue.depth"] == 3
+    assert 119 <= gauges["broker.transmission_queue.oldest_age"] < 130
+    assert gauges["broker.queue_depth.supplier_queue"] == 0
 
 
 def test_queue_stat_names() -> None:

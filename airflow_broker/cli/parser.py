@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from airflow_broker.cli import check
+from airflow_broker.cli import check, purge
 from airflow_broker.cli.common import (
     DEFAULT_URL,
     ENV_URL,
@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     deliver.set_defaults(func=cmd_deliver)
 
     check.add_parser(sub)
+    purge.add_parser(sub)
     return parser
 
 

@@ -86,7 +86,7 @@ class DueWork:
         expired = self._expire_lifetimes(now)
         counted, disabled = record_rollbacks(self.conn, self.b.adapter.reap_dead_leases(self.conn))
         delivered = self._retry_local_transmissions(now)
-        purged = self._purge_closed(now) if purge else 0
+        purged = self.purge_closed(now) if purge else 0
         self.next_due = self._next_due()
         return DueReport(timers, expired, counted, disabled, delivered, purged)
 
@@ -237,10 +237,14 @@ class DueWork:
             delivered += 1
         return delivered
 
-    def _purge_closed(self, now: datetime) -> int:
+    def purge_closed(self, now: datetime, retention: timedelta = CLOSED_ENDPOINT_RETENTION) -> int:
+        """Remove up to :attr:`BATCH` endpoints closed (CD) more than ``retention`` ago, their
+        messages, and conversation groups left empty; returns how many endpoints went."""
         e = s.conversation_endpoint
-        old = select(e.c.conversation_handle).where(
-            e.c.state == "CD", e.c.closed_at <= now - CLOSED_ENDPOINT_RETENTION
+        old = (
+            select(e.c.conversation_handle)
+            .where(e.c.state == "CD", e.c.closed_at <= now - retention)
+            .limit(self.BATCH)
         )
         if self.b.dialect == "postgresql":
             # The lock order: an endpoint is removed only under its FOR UPDATE lock (a writer

@@ -90,6 +90,7 @@ def sample_queue_depths(
     assert now is not None
     q, m = s.queue, s.message
     depths: list[tuple[str, int]] = []
+    ages = _Ages()
     with broker.engine.begin() as conn:
         if broker.dialect == "postgresql":
             got = conn.execute(
@@ -126,10 +127,45 @@ def sample_queue_depths(
                 ).all()
             )
             depths = [(names[r.queue_id], int(r.depth)) for r in written if r.queue_id in names]
+            ages = _ages(conn, now, names)
     for name, depth in depths:
-        metrics.gauge(metrics.queue_stat(metrics.QUEUE_DEPTH, name), depth, {"queue": name})
+        tags = {"queue": name}
+        metrics.gauge(metrics.queue_stat(metrics.QUEUE_DEPTH, name), depth, tags)
+        metrics.gauge(metrics.queue_stat(metrics.QUEUE_OLDEST_AGE, name), ages.get(name, 0.0), tags)
+    if depths:
+        metrics.gauge(metrics.TRANSMISSION_DEPTH, ages.transmission_depth)
+        metrics.gauge(metrics.TRANSMISSION_OLDEST_AGE, ages.transmission_oldest)
     deleted = delete_old_samples(broker, now - retention, batch=batch)
     return SampleReport(sampled_at=now, queues=len(written), deleted=deleted)
+
+
+class _Ages(dict[str, float]):
+    """Seconds the oldest ready message of each queue has waited (by name), and the
+    transmission queue's depth and oldest age."""
+
+    transmission_depth: int = 0
+    transmission_oldest: float = 0.0
+
+
+def _ages(conn: Connection, now: datetime, names: dict[int, str]) -> _Ages:
+    """What the age gauges show, read only when metrics go somewhere."""
+    m, t = s.message, s.transmission_queue
+    ages = _Ages()
+    for queue_id, oldest in conn.execute(
+        select(m.c.queue_id, func.min(m.c.enqueued_at))
+        .where(m.c.status == STATUS_READY)
+        .group_by(m.c.queue_id)
+    ):
+        if queue_id in names and oldest is not None:
+            ages[names[queue_id]] = _age(now, oldest)
+    depth, oldest = conn.execute(select(func.count(), func.min(t.c.enqueued_at))).one()
+    ages.transmission_depth = int(depth)
+    ages.transmission_oldest = 0.0 if oldest is None else _age(now, oldest)
+    return ages
+
+
+def _age(now: datetime, then: datetime) -> float:
+    return max((now - aware(then)).total_seconds(), 0.0)  # type: ignore[operator]
 
 
 def delete_old_samples(

@@ -56,6 +56,8 @@ class BrokerContext:
         self.next_due_work = 0.0
         #: monotonic time of this process's next queue-depth sampling look (see sampling)
         self.next_depth_sample = 0.0
+        #: monotonic time of this process's next purge (see operations.housekeeping)
+        self.next_housekeeping = 0.0
 
     @classmethod
     def connect(cls, url: str, *, resolver: Resolver | None = None, **engine_kwargs: Any) -> Self:
