@@ -16,6 +16,9 @@ in-process :class:`ActivationRunner`) and the two kinds of reader (the Airflow
   (:func:`drain`);
 - :mod:`~airflow_broker.activation.ledger`: the bookkeeping tables they share;
 - :mod:`~airflow_broker.activation.runner`: monitor and readers in one process, outside Airflow.
+- :mod:`~airflow_broker.activation.transmitter`: the transmitter, activated like a reader: a
+  run delivers between databases until nothing is due, does due work and housekeeping,
+  and hands large backlogs to the Spark job (:func:`~.transmitter.transmit`).
 
 Everything runs without Airflow, against either engine.
 """
