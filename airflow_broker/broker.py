@@ -36,7 +36,9 @@ from airflow_broker.messaging.transaction import Transaction
 from airflow_broker.operations import check as consistency
 from airflow_broker.operations import housekeeping, observation
 from airflow_broker.operations.check import Problem
+from airflow_broker.operations.identity import IdentityReset, reset_identity
 from airflow_broker.storage.context import BrokerContext, Resolver
+from airflow_broker.storage.identity import IdentityStatus, identity_status
 from airflow_broker.storage.migrate import migrate_on
 from airflow_broker.transport import DeliveryReport, Transport, in_transit, resolve
 from airflow_broker.transport import routing_service as ddr
@@ -71,6 +73,21 @@ class Broker(BrokerContext):
             migrate_on(conn)
         self.invalidate_definitions()
 
+    # -- identity after a copy -----------------------------------------------------------------
+    def identity_status(self) -> IdentityStatus:
+        """Whether this database is still where its broker identity was recorded: ``.copied``
+        is True for a restored, cloned or copied database, which refuses delivery to and from
+        other brokers until :meth:`reset_identity`; ``.reason`` says so, naming the database
+        and the commands."""
+        return identity_status(self)
+
+    def reset_identity(self, mode: str) -> IdentityReset:
+        """Decide about a copy, in one transaction: ``"new_broker"`` (a new instance id; its
+        conversations with other brokers end with an Error), ``"error_conversations"`` (keep
+        the id, end every conversation with an Error) or ``"keep"`` (the same broker, moved:
+        record where it is now). See :mod:`airflow_broker.operations.identity`."""
+        return reset_identity(self, mode)
+
     # -- definitions ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def definitions(self) -> Iterator[Definitions]:
@@ -87,6 +104,12 @@ class Broker(BrokerContext):
     ) -> None:
         """CREATE MESSAGE TYPE (see :meth:`Definitions.create_message_type`)."""
         self._define("create_message_type", name, validation, json_schema)
+
+    def alter_message_type(
+        self, name: str, *, validation: str, json_schema: dict[str, Any] | None = None
+    ) -> None:
+        """ALTER MESSAGE TYPE (see :meth:`Definitions.alter_message_type`)."""
+        self._define("alter_message_type", name, validation=validation, json_schema=json_schema)
 
     def create_contract(self, name: str, message_types: dict[str, str]) -> None:
         """CREATE CONTRACT (see :meth:`Definitions.create_contract`)."""
@@ -118,6 +141,24 @@ class Broker(BrokerContext):
         """CREATE SERVICE (see :meth:`Definitions.create_service`)."""
         self._define("create_service", name, queue, contracts)
 
+    def alter_service(
+        self,
+        name: str,
+        *,
+        queue: str | None = None,
+        add_contracts: Sequence[str] = (),
+        drop_contracts: Sequence[str] = (),
+    ) -> None:
+        """ALTER SERVICE (see :meth:`Definitions.alter_service`): another queue, which the
+        service's conversations and their messages move to; contracts added or dropped."""
+        self._define(
+            "alter_service",
+            name,
+            queue=queue,
+            add_contracts=add_contracts,
+            drop_contracts=drop_contracts,
+        )
+
     def create_route(
         self,
         name: str,
@@ -138,6 +179,27 @@ class Broker(BrokerContext):
             lifetime_seconds,
         )
 
+    def alter_route(
+        self,
+        name: str,
+        *,
+        service_name: str | None = UNSET,
+        broker_instance: str | None = UNSET,
+        address: str = UNSET,
+        mirror_address: str | None = UNSET,
+        lifetime_seconds: int | None = UNSET,
+    ) -> None:
+        """ALTER ROUTE: only the arguments given change (see :meth:`Definitions.alter_route`)."""
+        self._define(
+            "alter_route",
+            name,
+            service_name=service_name,
+            broker_instance=broker_instance,
+            address=address,
+            mirror_address=mirror_address,
+            lifetime_seconds=lifetime_seconds,
+        )
+
     def create_priority(
         self,
         name: str,
@@ -149,6 +211,26 @@ class Broker(BrokerContext):
         """CREATE BROKER PRIORITY (see :meth:`Definitions.create_priority`)."""
         self._define("create_priority", name, contract, local_service, remote_service, priority)
 
+    def alter_priority(
+        self,
+        name: str,
+        *,
+        contract: str | None = UNSET,
+        local_service: str | None = UNSET,
+        remote_service: str | None = UNSET,
+        priority: int = UNSET,
+    ) -> None:
+        """ALTER BROKER PRIORITY: only the arguments given change (see
+        :meth:`Definitions.alter_priority`)."""
+        self._define(
+            "alter_priority",
+            name,
+            contract=contract,
+            local_service=local_service,
+            remote_service=remote_service,
+            priority=priority,
+        )
+
     def drop_message_type(self, name: str) -> None:
         self._define("drop_message_type", name)
 
@@ -159,6 +241,8 @@ class Broker(BrokerContext):
         self._define("drop_queue", name)
 
     def drop_service(self, name: str) -> None:
+        """DROP SERVICE: its open conversations end WITH ERROR first, so that their far sides
+        are told (see :meth:`Definitions.drop_service`)."""
         self._define("drop_service", name)
 
     def drop_route(self, name: str) -> None:

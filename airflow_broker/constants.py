@@ -24,10 +24,15 @@ ERROR_NAMESPACE: Final = "http://schemas.microsoft.com/SQL/ServiceBroker/Error"
 ERR_LIFETIME_EXPIRED: Final = -8489
 ERR_CONTRACT_NOT_SUPPORTED: Final = -8408
 ERR_SERVICE_NOT_FOUND: Final = -8470
+#: DROP SERVICE ends each open conversation of the service with this error (Service Broker's
+#: 8470, "Remote service has been dropped": the same number as ERR_SERVICE_NOT_FOUND).
+ERR_SERVICE_DROPPED: Final = -8470
 ERR_MESSAGE_INVALID: Final = -9615
 ERR_HOPS_EXCEEDED: Final = -8492
 ERR_NOT_CLASSIFIED: Final = -8493
 ERR_WRONG_BROKER_INSTANCE: Final = -8494
+#: ``reset-identity`` ended the conversation: its database was restored, cloned or copied.
+ERR_BROKER_IDENTITY_RESET: Final = -8495
 
 #: Consecutive rolled-back receiving transactions that disable a queue.
 POISON_THRESHOLD: Final = 5

@@ -225,6 +225,10 @@ class Pair:
             for db in (self.db_a, self.db_b):
                 self.brokers.append(Broker.connect(db.sqlalchemy_url, resolver=resolver))
             self.a, self.b = self.brokers
+            for broker in self.brokers:
+                # A clone carries its template's identity, and would be refused as a copy
+                # (airflow_broker.storage.identity): each round's clone is that broker, moved.
+                broker.reset_identity("keep")
             if (self.a.instance_id, self.b.instance_id) != loaded.instance_ids:
                 raise RuntimeError("the clones do not carry their templates' instance ids")
             waiting = _waiting(self.db_a)

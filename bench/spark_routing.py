@@ -84,6 +84,14 @@ def install_target(db: Database) -> None:
     b.dispose()
 
 
+def same_broker_moved(db: Database) -> None:
+    """A clone of a template carries the template's broker identity and would be refused as a
+    copy (airflow_broker.storage.identity): each round's clone is that broker, moved."""
+    b = Broker.connect(db.sqlalchemy_url)
+    b.reset_identity("keep")
+    b.dispose()
+
+
 def pending(db: Database) -> int:
     b = Broker.connect(db.sqlalchemy_url)
     with b.engine.connect() as conn:
@@ -205,6 +213,8 @@ def main() -> None:
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     src = server.create(src_tpl, "src", name, str(size))
                     dst = server.create(tgt_tpl, "dst", name, str(size))
+                    same_broker_moved(src)
+                    same_broker_moved(dst)
                     n = pending(src)
                     quiesce(src, dst)
                     t0 = time.perf_counter()

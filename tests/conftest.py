@@ -24,6 +24,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
 from airflow_broker import Broker
+from airflow_broker.storage.identity import record_fingerprint
 
 if TYPE_CHECKING:
     from transport_procs import Net
@@ -36,12 +37,23 @@ TEMPLATE_DB = f"broker_test_template_{os.getpid()}"
 
 def new_instance_id(url: str) -> None:
     """A copy of a migrated database becomes a broker instance of its own, as a fresh
-    migrate() makes it."""
+    migrate() makes it (with the fingerprint of where it is: not a copy of the template)."""
     engine = create_engine(url, poolclass=NullPool)
     with engine.begin() as conn:
         conn.execute(
             text("UPDATE broker_instance SET instance_id = :id"), {"id": str(uuid.uuid4())}
         )
+        record_fingerprint(conn)
+    engine.dispose()
+
+
+def same_instance_elsewhere(url: str) -> None:
+    """A copy that is the same broker instance (a mirror, as a physical standby would be, which
+    carries its original's fingerprint): where it is is recorded, as `reset-identity --keep`
+    does, so that it is not taken for a restored or cloned copy."""
+    engine = create_engine(url, poolclass=NullPool)
+    with engine.begin() as conn:
+        record_fingerprint(conn)
     engine.dispose()
 
 
@@ -90,11 +102,17 @@ class PostgresServer:
         return TEMPLATE_DB
 
     def create_database(
-        self, *, migrated: bool = True, name: str | None = None, copy_of: str | None = None
+        self,
+        *,
+        migrated: bool = True,
+        name: str | None = None,
+        copy_of: str | None = None,
+        mirror: bool = True,
     ) -> str:
         """A fresh database: migrated (a clone of the template, given a broker instance id of
         its own), empty, or ``copy_of`` another test database's URL (same instance id: a
-        mirror of it)."""
+        mirror of it; with ``mirror=False`` a plain clone, which the broker detects as a copy
+        of another database)."""
         dbname = name or f"broker_test_{uuid.uuid4().hex[:12]}"
         source = make_url(copy_of).database if copy_of else self.template() if migrated else None
         with self._admin.connect() as conn:
@@ -116,6 +134,8 @@ class PostgresServer:
         url = self.url_for(dbname)
         if migrated and not copy_of:
             new_instance_id(url)
+        elif copy_of and mirror:
+            same_instance_elsewhere(url)
         return url
 
     def drop_all(self) -> None:

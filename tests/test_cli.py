@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -28,7 +28,13 @@ from sqlalchemy.exc import OperationalError
 
 from airflow_broker import Broker, ObjectExists
 from airflow_broker.cli import ENV_URL, broker_settings, format_age, main
-from airflow_broker.messaging.objects import Catalog, QueueStatus
+from airflow_broker.messaging.objects import (
+    Catalog,
+    MessageTypeDef,
+    PriorityDef,
+    QueueStatus,
+    ServiceDef,
+)
 from airflow_broker.operations import declarations
 from airflow_broker.storage import schema as s
 from airflow_broker.transport import DeliveryReport, env_name
@@ -215,7 +221,7 @@ def test_apply_creates_every_kind_then_reports_unchanged(broker_url: str, run: R
     assert catalog(broker_url) == cat
 
 
-def test_apply_alters_queues_and_replaces_routes_and_priorities(broker_url: str, run: Run) -> None:
+def test_apply_alters_queues_routes_and_priorities(broker_url: str, run: Run) -> None:
     assert run("--url", broker_url, "apply", PURCHASE_ORDERS)[0] == 0
     before = catalog(broker_url)
 
@@ -223,8 +229,8 @@ def test_apply_alters_queues_and_replaces_routes_and_priorities(broker_url: str,
     assert (code, err) == (0, "")
     assert "~ queue SupplierQueue: altered (activation.max_readers: 4 -> 8)" in out
     assert "~ queue AuditQueue: altered (status: false -> true)" in out
-    assert "~ route to_warehouse: replaced (address: TRANSPORT -> LOCAL)" in out
-    assert "~ priority urgent_orders: replaced (priority: 8 -> 9)" in out
+    assert "~ route to_warehouse: altered (address: TRANSPORT -> LOCAL)" in out
+    assert "~ priority urgent_orders: altered (priority: 8 -> 9)" in out
     assert re.search(r"^services\s+0\s+0\s+1$", out, re.M)
 
     after = catalog(broker_url)
@@ -324,6 +330,8 @@ def test_references_resolve_against_the_database(broker_url: str, run: Run, tmp_
 def test_changed_definition_is_refused_naming_the_object(
     broker_url: str, run: Run, tmp_path: Path
 ) -> None:
+    """A contract has no ALTER (conversations begun on it depend on its rules), nor does the
+    system's DEFAULT message type: either refuses the whole file."""
     assert run("--url", broker_url, "apply", PURCHASE_ORDERS)[0] == 0
     before = catalog(broker_url)
     path = write(
@@ -332,6 +340,12 @@ def test_changed_definition_is_refused_naming_the_object(
         "message_types:\n"
         "  - name: //po/Note\n"
         "    validation: json\n"
+        "  - name: DEFAULT\n"
+        "    validation: json\n"
+        "contracts:\n"
+        "  - name: //po/OrderContract\n"
+        "    message_types:\n"
+        "      //po/Order: initiator\n"
         "services:\n"
         "  - name: //po/Audit\n"
         "    queue: BuyerQueue\n"
@@ -343,13 +357,163 @@ def test_changed_definition_is_refused_naming_the_object(
     code, out, err = run("--url", broker_url, "apply", path)
     assert code == 2 and out == ""
     assert (
-        f"{path}:2: message type '//po/Note' already exists with a different definition "
+        f"{path}:7: contract '//po/OrderContract' already exists with a different definition "
+        "(message_types: "
+    ) in err
+    assert "a contract cannot be changed in place" in err
+    assert (
+        f"{path}:4: message type 'DEFAULT' is a system object and cannot be altered "
         "(validation: none -> json, database -> file)"
     ) in err
-    assert f"{path}:5: service '//po/Audit' already exists with a different definition" in err
-    assert "queue: AuditQueue -> BuyerQueue" in err
-    # The queue change alone would have been applied: it is not, since the file is refused.
+    assert err.splitlines()[-1] == f"error: {path}: 2 problems; nothing was applied"
+    # The message type, service and queue would have been altered: they are not, since the
+    # file is refused.
     assert catalog(broker_url) == before
+
+
+ALTERATIONS = """\
+message_types:
+  - name: //po/Order            # validation off, as in production (seed 004)
+queues:
+  - name: SupplierQueue2
+services:
+  - name: //po/Supplier         # another queue, one contract fewer
+    queue: SupplierQueue2
+    contracts: [//po/OrderContract]
+  - name: //po/Audit            # one contract more
+    queue: AuditQueue
+    contracts: [DEFAULT, //po/OrderContract]
+routes:
+  - name: warehouse_pinned      # another address; the lifetime as it was
+    service_name: //po/Warehouse
+    broker_instance: 0b7c6a6e-3f1d-4c2b-9a57-2d4f0e8c1a90
+    address: broker://warehouse
+    lifetime_seconds: 86400
+  - name: to_warehouse          # a lifetime from now on
+    service_name: //po/Warehouse
+    address: TRANSPORT
+    lifetime_seconds: 3600
+priorities:
+  - name: everything_else
+    local_service: //po/Audit
+    priority: 3
+"""
+
+
+def test_apply_alters_message_types_services_routes_and_priorities_in_place(
+    broker_url: str, run: Run, tmp_path: Path
+) -> None:
+    """Each object that differs is altered by its ALTER verb, not dropped and created again: a
+    service keeps its conversations, which move to its new queue with their messages."""
+    assert run("--url", broker_url, "apply", PURCHASE_ORDERS)[0] == 0
+    broker = Broker.connect(broker_url)
+    try:
+        with broker.transaction() as tx:
+            h = tx.begin_dialog("//po/Buyer", "//po/Supplier", "//po/OrderContract")
+            tx.send(h, "//po/Order", {"order_id": 1, "lines": [1]})
+    finally:
+        broker.dispose()
+    before = catalog(broker_url)
+    path = write(tmp_path, "alter.yaml", ALTERATIONS)
+
+    code, out, err = run("--url", broker_url, "apply", path, "--dry-run")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert any(
+        line.startswith(
+            "  ~ message type //po/Order: altered (validation: json_schema -> none; json_schema: "
+        )
+        for line in lines
+    ), out
+    assert "  + queue SupplierQueue2: created" in lines
+    assert (
+        "  ~ service //po/Supplier: altered (queue: SupplierQueue -> SupplierQueue2; "
+        "contracts: [//po/OrderContract, DEFAULT] -> [//po/OrderContract])"
+    ) in lines
+    assert (
+        "  ~ service //po/Audit: altered (contracts: [DEFAULT] -> [//po/OrderContract, DEFAULT])"
+    ) in lines
+    assert "  ~ route warehouse_pinned: altered (address: LOCAL -> broker://warehouse)" in lines
+    assert "  ~ route to_warehouse: altered (lifetime: none -> 3600 seconds)" in lines
+    assert (
+        "  ~ priority everything_else: altered (local_service: none -> //po/Audit; "
+        "priority: 5 -> 3)"
+    ) in lines
+    assert re.search(r"^services\s+0\s+2\s+0$", out, re.M)
+    assert "dry run: nothing was written" in out
+    assert catalog(broker_url) == before
+
+    code, again, err = run("--url", broker_url, "apply", path)
+    assert (code, err) == (0, "")
+    # The dry run showed what the apply did, line for line.
+    assert [line for line in again.splitlines() if line.startswith(("  +", "  ~"))] == [
+        line for line in lines if line.startswith(("  +", "  ~"))
+    ]
+    after = catalog(broker_url)
+    assert after.message_types["//po/Order"] == MessageTypeDef("//po/Order", "none", None)
+    assert after.services["//po/Supplier"] == ServiceDef(
+        "//po/Supplier", "SupplierQueue2", ("//po/OrderContract",)
+    )
+    assert set(after.services["//po/Audit"].contracts) == {"DEFAULT", "//po/OrderContract"}
+    pinned = after.routes["warehouse_pinned"]
+    assert pinned.address == "broker://warehouse"
+    assert pinned.expires_at == before.routes["warehouse_pinned"].expires_at  # not renewed
+    assert after.routes["to_warehouse"].expires_at is not None
+    assert after.priorities["everything_else"] == PriorityDef(
+        "everything_else", None, "//po/Audit", None, 3
+    )
+    assert after.contracts == before.contracts
+
+    broker = Broker.connect(broker_url)
+    try:
+        with broker.transaction() as tx:
+            # The order waited in SupplierQueue: it moved with the service.
+            assert tx.receive("SupplierQueue") == []
+            [order] = tx.receive("SupplierQueue2")
+            assert (order.message_type_name, order.json()) == (
+                "//po/Order",
+                {"order_id": 1, "lines": [1]},
+            )
+            # Validation is off: the schema that refused this body is gone.
+            tx.send(h, "//po/Order", "not an order")
+        assert broker.check() == []
+    finally:
+        broker.dispose()
+
+    code, out, _ = run("--url", broker_url, "apply", path)
+    assert code == 0 and "nothing to change" in out
+
+
+def test_apply_renews_an_expired_route_and_removes_a_lifetime(
+    broker_url: str, run: Run, tmp_path: Path
+) -> None:
+    assert run("--url", broker_url, "apply", PURCHASE_ORDERS)[0] == 0
+    broker = Broker.connect(broker_url)
+    try:
+        with broker.engine.begin() as conn:
+            conn.execute(
+                update(s.route)
+                .where(s.route.c.name == "warehouse_pinned")
+                .values(expires_at=datetime(2020, 1, 1, tzinfo=UTC))
+            )
+    finally:
+        broker.dispose()
+    code, out, err = run("--url", broker_url, "apply", PURCHASE_ORDERS)
+    assert (code, err) == (0, "")
+    assert (
+        "  ~ route warehouse_pinned: altered (lifetime: expired 2020-01-01T00:00:00+00:00 -> "
+        "86400 seconds)"
+    ) in out.splitlines()
+    renewed = catalog(broker_url).routes["warehouse_pinned"].expires_at
+    assert renewed is not None and renewed > datetime.now(UTC)
+
+    forever = PURCHASE_ORDERS.read_text().replace("    lifetime_seconds: 86400\n", "")
+    code, out, err = run("--url", broker_url, "apply", write(tmp_path, "forever.yaml", forever))
+    assert (code, err) == (0, "")
+    [line] = [line for line in out.splitlines() if "route warehouse_pinned" in line]
+    assert line.startswith("  ~ route warehouse_pinned: altered (lifetime: expires ")
+    assert line.endswith(" -> none)")
+    assert catalog(broker_url).routes["warehouse_pinned"].expires_at is None
 
 
 def test_a_failure_while_applying_rolls_everything_back(
@@ -508,7 +672,7 @@ def test_routes_between_brokers_are_declared(broker_url: str, run: Run, tmp_path
     assert local.broker_instance == "3d9e5c1a-0f2b-4e7d-8a6c-1b2c3d4e5f60"
     assert local.expires_at is not None
 
-    # A new mirror, another instance id: the route is replaced, saying what differs.
+    # A new mirror, another instance id: the route is altered, saying what differs.
     changed = ROUTES_AND_FORWARDING.replace("broker://west-mirror", "broker://west-standby")
     changed = changed.replace(
         "0b7c6a6e-3f1d-4c2b-9a57-2d4f0e8c1a90", "0b7c6a6e-3f1d-4c2b-9a57-2d4f0e8c1a91"
@@ -516,7 +680,7 @@ def test_routes_between_brokers_are_declared(broker_url: str, run: Run, tmp_path
     code, out, err = run("--url", broker_url, "apply", write(tmp_path, "changed.yaml", changed))
     assert (code, err) == (0, "")
     [line] = [line for line in out.splitlines() if "route to_west" in line]
-    assert line.startswith("  ~ route to_west: replaced (")
+    assert line.startswith("  ~ route to_west: altered (")
     assert "mirror_address: broker://west-mirror -> broker://west-standby" in line
     assert (
         "broker_instance: 0b7c6a6e-3f1d-4c2b-9a57-2d4f0e8c1a90 -> "
@@ -745,7 +909,15 @@ def test_status_json(busy_url: str, run: Run) -> None:
     code, out, err = run("--url", busy_url, "status", "--json")
     assert (code, err) == (0, "")
     doc = json.loads(out)
-    assert set(doc) == {"database", "broker", "queues", "transmission_queue", "in_transit"}
+    assert set(doc) == {
+        "database",
+        "broker",
+        "identity",
+        "queues",
+        "transmission_queue",
+        "in_transit",
+    }
+    assert doc["identity"]["copy_detected"] is False and doc["identity"]["reason"] is None
     assert doc["broker"] == {
         "instance_id": instance_id(busy_url),
         "forwarding": False,

@@ -8,18 +8,21 @@ deliver, check.
     airflow-broker [--url URL] status [--json] [--verbose]
     airflow-broker [--url URL] deliver [--max-messages N] [--retry-now] [--loop SECONDS] [--json]
     airflow-broker [--url URL] check [--repair] [--json]
+    airflow-broker [--url URL] reset-identity (--new-broker | --error-conversations | --keep)
 
 The database is ``--url``, else ``$AIRFLOW_BROKER_URL``, else ``sqlite:///broker.db`` in the
 current directory. Other broker databases that routes name (``broker://NAME``) are resolved by
 ``Broker.connect``: outside Airflow, from ``$AIRFLOW_BROKER_ADDRESS_<NAME>``. Exit codes: 0 done,
-1 the broker or the database refused (``error: ...`` on stderr, no traceback) or ``check``
-found a problem it did not repair, 2 a usage error or an invalid declarations file.
+1 the broker or the database refused (``error: ...`` on stderr, no traceback), ``check``
+found a problem it did not repair or ``deliver`` ran on a database detected as a restored or
+cloned copy, 2 a usage error or an invalid declarations file.
 
 argparse is enough for five subcommands with a handful of options, and keeps the engine free of
 a CLI dependency (click or typer would add one for no gain here).
 
 Modules: :mod:`.parser` (the parser and :func:`main`), :mod:`.common`, and one per subcommand
-group: :mod:`.definitions` (migrate, apply), :mod:`.status`, :mod:`.deliver`, :mod:`.check`.
+group: :mod:`.definitions` (migrate, apply), :mod:`.status`, :mod:`.deliver`, :mod:`.check`,
+:mod:`.identity` (reset-identity).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, TextIO
 
 from airflow_broker.cli.common import (
+    EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OK,
     REPORT_FIELDS,
@@ -52,6 +53,10 @@ def cmd_deliver(args: argparse.Namespace, out: TextIO) -> int:
             else:
                 print(f"broker database: {shown} ({source})", file=out)
                 print(format_report(report), file=out)
+            refused = broker.identity_status().reason  # a restored or cloned copy
+            if refused is not None:
+                print(f"error: {refused}", file=sys.stderr)
+                return EXIT_ERROR
             return EXIT_OK
         return _deliver_loop(broker, args, out, f"{shown} ({source})")
     finally:

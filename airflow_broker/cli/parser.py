@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from airflow_broker.cli import check, purge
+from airflow_broker.cli import check, identity, purge
 from airflow_broker.cli.common import (
     DEFAULT_URL,
     ENV_URL,
@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check.add_parser(sub)
     purge.add_parser(sub)
+    identity.add_parser(sub)
     return parser
 
 

@@ -1,5 +1,6 @@
-"""``status``: queues, settings, and what waits to leave (transmission queue, in transit), by
-target service and reason, as a table for people or JSON for machines.
+"""``status``: queues, settings, whether the database is a copy (``identity``), and what waits
+to leave (transmission queue, in transit), by target service and reason, as a table for people
+or JSON for machines.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
     try:
         instance_id = broker.instance_id
         settings = broker_settings(broker)
+        identity = broker.identity_status()
         # On SQLite a forwarding broker holds messages in transit in the memory of the process
         # that delivers (see transport.hold): another process, this one, cannot see them.
         transit_visible = broker.dialect != "sqlite"
@@ -50,6 +52,12 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
         doc = {
             "database": shown,
             "broker": {"instance_id": instance_id, **settings},
+            "identity": {
+                "copy_detected": identity.copied,
+                "recorded_fingerprint": identity.recorded_fingerprint,
+                "current_fingerprint": identity.current_fingerprint,
+                "reason": identity.reason,
+            },
             "queues": [_queue_json(q) for q in queues],
             "transmission_queue": {
                 "count": transmission,
@@ -71,6 +79,18 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
         f"forwarding: {'on' if settings['forwarding'] else 'off'}; principal: {principal}",
         file=out,
     )
+    if identity.reason is not None:
+        print("identity: COPY DETECTED, delivery to and from other brokers refused", file=out)
+        width = max(_terminal_width() - 2, MIN_REASON_WIDTH)
+        # Whole words: the URL and the commands stay copyable.
+        for line in textwrap.wrap(
+            identity.reason, width, break_on_hyphens=False, break_long_words=False
+        ):
+            print(f"  {line}", file=out)
+    elif identity.recorded_fingerprint is None:
+        print("identity: not recorded (run `airflow-broker migrate`)", file=out)
+    else:
+        print("identity: where it was recorded (not a copy)", file=out)
     if queues:
         headers = ["QUEUE", "STATUS", "DEPTH", "OLDEST", "GROUPS", "ROLLBACKS"]
         rows = [

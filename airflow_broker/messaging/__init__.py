@@ -6,7 +6,10 @@
   endpoint's queue, or the transmission queue with the reason it waits), contract rules and
   priorities; :mod:`~airflow_broker.messaging.duework`: timers, lifetimes, dead readers and
   waiting local transmissions when they fall due;
-- :mod:`~airflow_broker.messaging.definitions`: CREATE / ALTER / DROP of every object;
+- :mod:`~airflow_broker.messaging.definitions`: CREATE / ALTER / DROP of every object (services
+  in :mod:`~airflow_broker.messaging.service_definitions`: ALTER SERVICE ... ON QUEUE moves the
+  service's conversations, DROP SERVICE ends them WITH ERROR; routes and priorities in
+  :mod:`~airflow_broker.messaging.route_definitions`);
 - :mod:`~airflow_broker.messaging.events`: broker events and poison handling's rollback count;
 - :mod:`~airflow_broker.messaging.validation`: body encoding and message-type validation;
 - :mod:`~airflow_broker.messaging.objects`: the value objects handed out (Message, endpoints,
@@ -20,8 +23,10 @@ The lock order (PostgreSQL)
 
     0. The conversation group comes first, as in Service Broker: RECEIVE and GET CONVERSATION
        GROUP lock it (skipping locked groups), END CONVERSATION and MOVE CONVERSATION wait for
-       it (MOVE for both groups, in id order) before they lock the endpoint. A reader that
-       answers or ends on what it received therefore never waits for an END that waits for it.
+       it (MOVE for both groups, in id order) before they lock the endpoint, and ALTER SERVICE
+       ... ON QUEUE and DROP SERVICE for the groups of all the service's endpoints, in id order,
+       before they lock those. A reader that answers or ends on what it received therefore
+       never waits for an END that waits for it.
     1. Whoever writes a message into an endpoint's queue holds a lock on that endpoint's row
        taken before (or in the statement of) the write, and writes nothing if the row is gone:
        SEND's fast path takes the far endpoint ``FOR KEY SHARE`` and reads its queue and group
@@ -32,9 +37,10 @@ The lock order (PostgreSQL)
        UPDATE``, which does not conflict with the far side's ``KEY SHARE``: the two sides of a
        dialog still send at the same time without waiting for each other.
     3. Whoever removes an endpoint or its messages (END CONVERSATION of every kind, the purge
-       of closed endpoints, DROP) or moves its messages (MOVE CONVERSATION) first takes ``FOR
-       UPDATE`` on it, which waits for every writer of rule 1; the messages they committed are
-       then visible to the removal. Several endpoints are locked in handle order.
+       of closed endpoints, DROP) or moves its messages (MOVE CONVERSATION, ALTER SERVICE ... ON
+       QUEUE) first takes ``FOR UPDATE`` on it, which waits for every writer of rule 1; the
+       messages they committed are then visible to the removal. Several endpoints are locked in
+       handle order.
     4. A transaction that holds its own endpoint never waits for the far one: the general path
        locks the far endpoint with SKIP LOCKED, and when another transaction holds it (the far
        side is sending or ending too) the message waits in the transmission queue, behind

@@ -1,44 +1,29 @@
 """CREATE / ALTER / DROP of message types, contracts, queues, services, routes and priorities.
 
 :func:`define` opens the one transaction a batch of definitions runs in; :class:`Activation` is a
-queue's ``ACTIVATION (...)`` clause (what :mod:`airflow_broker.activation` acts on).
+queue's ``ACTIVATION (...)`` clause (what :mod:`airflow_broker.activation` acts on). Services are
+:mod:`~airflow_broker.messaging.service_definitions` (ALTER and DROP SERVICE act on the service's
+conversations), routes and priorities :mod:`~airflow_broker.messaging.route_definitions`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import (
-    Row,
-    delete,
-    insert,
-    select,
-    update,
-)
-from sqlalchemy.engine import Connection
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from airflow_broker.constants import (
-    DEFAULT,
-    SENT_BY,
-    SYSTEM_MESSAGE_TYPES,
-)
-from airflow_broker.errors import (
-    InvalidDefinition,
-    ObjectExists,
-    UnknownObject,
-)
-from airflow_broker.messaging.arguments import UNSET, as_name, as_uuid
+from airflow_broker.constants import DEFAULT, SENT_BY, SYSTEM_MESSAGE_TYPES
+from airflow_broker.errors import InvalidDefinition, UnknownObject
+from airflow_broker.messaging.arguments import UNSET, as_name
 from airflow_broker.messaging.events import record_event
-from airflow_broker.messaging.validation import (
-    check_definition,
-)
+from airflow_broker.messaging.route_definitions import RouteDefinitions, check_address
+from airflow_broker.messaging.service_definitions import ServiceDefinitions
+from airflow_broker.messaging.validation import check_definition
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 
@@ -104,47 +89,15 @@ def define(broker: BrokerContext) -> Iterator[Definitions]:
         broker.invalidate_definitions()
 
 
-class Definitions:
+class Definitions(ServiceDefinitions, RouteDefinitions):
     """CREATE / ALTER / DROP of broker objects, all inside one transaction.
 
     Obtained from :meth:`Broker.definitions`; the same verbs on :class:`Broker` each run in a
-    transaction of their own.
+    transaction of their own. Message types, contracts, queues and the broker's settings are
+    here; services in :class:`~airflow_broker.messaging.service_definitions.ServiceDefinitions`,
+    routes and priorities in
+    :class:`~airflow_broker.messaging.route_definitions.RouteDefinitions`.
     """
-
-    def __init__(self, broker: BrokerContext, conn: Connection) -> None:
-        self._broker = broker
-        self._conn = conn
-
-    @property
-    def connection(self) -> Connection:
-        """The connection of this definitions transaction."""
-        return self._conn
-
-    # -- helpers -------------------------------------------------------------------------------
-    def _exists(self, table: Any, column: Any, value: Any) -> bool:
-        return self._conn.execute(select(column).where(column == value)).first() is not None
-
-    def _require(self, table: Any, column: Any, value: str, what: str) -> None:
-        if not self._exists(table, column, value):
-            raise UnknownObject(f"{what} {value!r} does not exist in this broker")
-
-    def _refuse_existing(self, table: Any, column: Any, value: str, what: str) -> None:
-        if self._exists(table, column, value):
-            raise ObjectExists(f"{what} {value!r} already exists")
-
-    def _refuse_if_used(self, what: str, users: Any, kind: str) -> None:
-        """DROP refuses an object that others still use, and names them."""
-        names = sorted(self._conn.execute(users).scalars())
-        if names:
-            raise InvalidDefinition(
-                f"{what} is used by {kind} {', '.join(names)}; drop or alter those first"
-            )
-
-    def _queue_row(self, name: str) -> Row[Any]:
-        row = self._conn.execute(select(s.queue).where(s.queue.c.name == name)).first()
-        if row is None:
-            raise UnknownObject(f"queue {name!r} does not exist in this broker")
-        return row
 
     # -- message types -------------------------------------------------------------------------
     def create_message_type(
@@ -160,6 +113,25 @@ class Definitions:
             insert(s.message_type).values(
                 name=name, validation=validation, json_schema=json_schema, created_at=utcnow()
             )
+        )
+
+    def alter_message_type(
+        self, name: str, *, validation: str, json_schema: dict[str, Any] | None = None
+    ) -> None:
+        """ALTER MESSAGE TYPE ... VALIDATION: messages sent from now on are validated by the new
+        definition (``json_schema`` goes with ``validation="json_schema"`` only); messages
+        already sent keep what they were checked against. Turning validation off in production
+        and on in development is the usual reason (seed 004)."""
+        self._require(s.message_type, s.message_type.c.name, name, "message type")
+        if name == DEFAULT:
+            raise InvalidDefinition(
+                f"message type {DEFAULT!r} is a system object and cannot be altered"
+            )
+        check_definition(name, validation, json_schema)
+        self._conn.execute(
+            update(s.message_type)
+            .where(s.message_type.c.name == name)
+            .values(validation=validation, json_schema=json_schema)
         )
 
     def drop_message_type(self, name: str) -> None:
@@ -328,135 +300,6 @@ class Definitions:
         self._conn.execute(delete(s.message).where(s.message.c.queue_id == row.queue_id))
         self._conn.execute(delete(s.queue).where(s.queue.c.queue_id == row.queue_id))
 
-    # -- services ------------------------------------------------------------------------------
-    def create_service(self, name: str, queue: str, contracts: Sequence[str] = ()) -> None:
-        """CREATE SERVICE on ``queue``; ``contracts`` are those it accepts as a target."""
-        as_name(name, "service")
-        if isinstance(contracts, str):
-            contracts = [contracts]
-        self._refuse_existing(s.service, s.service.c.name, name, "service")
-        qrow = self._queue_row(queue)
-        wanted = list(dict.fromkeys(contracts))
-        known = set(
-            self._conn.execute(
-                select(s.contract.c.name).where(s.contract.c.name.in_(wanted))
-            ).scalars()
-        )
-        missing = [c for c in wanted if c not in known]
-        if missing:
-            raise UnknownObject(
-                f"service {name!r} names contract(s) that do not exist: {', '.join(missing)}"
-            )
-        self._conn.execute(
-            insert(s.service).values(name=name, queue_id=qrow.queue_id, created_at=utcnow())
-        )
-        if wanted:
-            self._conn.execute(
-                insert(s.service_contract),
-                [{"service_name": name, "contract_name": c} for c in wanted],
-            )
-
-    def drop_service(self, name: str) -> None:
-        """DROP SERVICE: its conversations go with it, as in Service Broker."""
-        self._require(s.service, s.service.c.name, name, "service")
-        endpoints = select(s.conversation_endpoint.c.conversation_handle).where(
-            s.conversation_endpoint.c.service_name == name
-        )
-        if self._conn.dialect.name == "postgresql":
-            # The lock order (see airflow_broker.messaging): removers lock the endpoints first,
-            # in handle order, so that writers into their queues finish before the removal.
-            self._conn.execute(
-                endpoints.order_by(s.conversation_endpoint.c.conversation_handle).with_for_update()
-            )
-        self._conn.execute(delete(s.message).where(s.message.c.conversation_handle.in_(endpoints)))
-        self._conn.execute(
-            delete(s.conversation_endpoint).where(s.conversation_endpoint.c.service_name == name)
-        )
-        self._conn.execute(delete(s.service).where(s.service.c.name == name))
-
-    # -- routes --------------------------------------------------------------------------------
-    def create_route(
-        self,
-        name: str,
-        service_name: str | None = None,
-        broker_instance: str | None = None,
-        address: str = "LOCAL",
-        mirror_address: str | None = None,
-        lifetime_seconds: int | None = None,
-    ) -> None:
-        """CREATE ROUTE. ``address``: ``LOCAL``, ``TRANSPORT`` or ``broker://NAME`` (a logical
-        broker name, resolved to a connection when delivering; no credentials here)."""
-        as_name(name, "route")
-        if service_name is not None:
-            as_name(service_name, "route service")
-        if broker_instance is not None:
-            as_uuid(broker_instance, f"route {name!r}: broker_instance")
-            broker_instance = str(uuid.UUID(str(broker_instance)))
-        check_address(name, address, "address")
-        if mirror_address is not None:
-            check_address(name, mirror_address, "mirror_address")
-            if not address.startswith("broker://") or not mirror_address.startswith("broker://"):
-                raise InvalidDefinition(
-                    f"route {name!r}: a mirror_address goes with a broker:// address only"
-                )
-            if broker_instance is None:
-                raise InvalidDefinition(f"route {name!r}: a mirror_address needs broker_instance")
-        expires_at = None
-        if lifetime_seconds is not None:
-            if not isinstance(lifetime_seconds, int) or lifetime_seconds <= 0:
-                raise InvalidDefinition(
-                    f"route {name!r}: lifetime_seconds must be a positive whole number"
-                )
-            expires_at = utcnow() + timedelta(seconds=lifetime_seconds)
-        self._refuse_existing(s.route, s.route.c.name, name, "route")
-        self._conn.execute(
-            insert(s.route).values(
-                name=name,
-                service_name=service_name,
-                broker_instance=broker_instance,
-                address=address,
-                mirror_address=mirror_address,
-                expires_at=expires_at,
-                created_at=utcnow(),
-            )
-        )
-
-    def drop_route(self, name: str) -> None:
-        self._require(s.route, s.route.c.name, name, "route")
-        self._conn.execute(delete(s.route).where(s.route.c.name == name))
-
-    # -- priorities ----------------------------------------------------------------------------
-    def create_priority(
-        self,
-        name: str,
-        contract: str | None = None,
-        local_service: str | None = None,
-        remote_service: str | None = None,
-        priority: int = 5,
-    ) -> None:
-        """CREATE BROKER PRIORITY: conversations matching get ``priority`` (1-10, default 5)."""
-        as_name(name, "priority")
-        if not isinstance(priority, int) or isinstance(priority, bool) or not 1 <= priority <= 10:
-            raise InvalidDefinition(f"priority {name!r}: priority must be 1..10, not {priority!r}")
-        if contract is not None:
-            self._require(s.contract, s.contract.c.name, contract, "contract")
-        if local_service is not None:
-            self._require(s.service, s.service.c.name, local_service, "service")
-        self._refuse_existing(s.priority, s.priority.c.name, name, "priority")
-        self._conn.execute(
-            insert(s.priority).values(
-                name=name,
-                contract_name=contract,
-                local_service=local_service,
-                remote_service=remote_service,
-                priority=priority,
-            )
-        )
-
-    def drop_priority(self, name: str) -> None:
-        self._require(s.priority, s.priority.c.name, name, "priority")
-        self._conn.execute(delete(s.priority).where(s.priority.c.name == name))
-
     # -- settings ------------------------------------------------------------------------------
     def configure(self, *, forwarding: bool | None = None, principal: bool | None = None) -> None:
         """Broker-wide settings.
@@ -478,11 +321,4 @@ class Definitions:
             self._conn.execute(update(s.broker_instance).values(**values))
 
 
-def check_address(route: str, address: Any, what: str) -> None:
-    if not isinstance(address, str) or not (
-        address in ("LOCAL", "TRANSPORT")
-        or (address.startswith("broker://") and len(address) > len("broker://"))
-    ):
-        raise InvalidDefinition(
-            f"route {route!r}: {what} {address!r} must be LOCAL, TRANSPORT or broker://NAME"
-        )
+__all__ = ["Activation", "Definitions", "check_address", "define"]

@@ -49,9 +49,14 @@ class TransactionCore:
     """The open transaction: its connection, receive leases, commit and rollback (with poison
     accounting), and the look-ups every verb makes."""
 
-    def __init__(self, broker: BrokerContext) -> None:
+    def __init__(self, broker: BrokerContext, *, within: Connection | None = None) -> None:
+        """:param within: run the verbs inside this connection's transaction, which its owner
+        commits or rolls back (DROP SERVICE ends the service's conversations inside its
+        definitions transaction); this object then never commits, rolls back or closes it.
+        """
         self.broker = broker
-        self.connection: Connection = broker.engine.connect()
+        self._owned = within is None
+        self.connection: Connection = broker.engine.connect() if within is None else within
         self._leases: dict[int, Lease] = {}
         self._dirty = False
         self._done = False
@@ -81,6 +86,7 @@ class TransactionCore:
     def commit(self) -> None:
         """Commit: SENDs become visible to readers, RECEIVEd messages are gone for good."""
         self._check_open()
+        self._check_owned()
         if self._doomed is not None:
             self._after_rollback()
             raise BrokerError(f"transaction rolled back instead of committing: {self._doomed}")
@@ -107,6 +113,7 @@ class TransactionCore:
     def rollback(self) -> None:
         """Roll back: received messages return to their queue; counts toward poison handling."""
         self._check_open()
+        self._check_owned()
         self._after_rollback()
 
     def _after_rollback(self) -> None:
@@ -125,6 +132,12 @@ class TransactionCore:
     def _check_open(self) -> None:
         if self._done:
             raise BrokerError("this broker transaction has already ended")
+
+    def _check_owned(self) -> None:
+        if not self._owned:
+            raise BrokerError(
+                "these verbs run inside a transaction their caller owns: the caller commits it"
+            )
 
     def _execute(self, stmt: Any, params: Any = None) -> Any:
         self._check_open()

@@ -14,7 +14,8 @@ The invariants, and where the engine keeps them:
 - every message belongs to an endpoint (writers of a conversation's messages and removers of its
   endpoint serialize on the endpoint row: see :mod:`airflow_broker.messaging.tx_core`), in the
   endpoint's queue and conversation group;
-- every endpoint has its conversation group, its queue and its service, a known state, and
+- every endpoint has its conversation group, its queue and (unless it has ended on this side:
+  DROP SERVICE keeps those until their far side is told) its service, a known state, and
   sequence numbers that never run ahead of what was sent;
 - a conversation that has ended or failed has nothing left to transmit but its closing message;
 - a receive lease without a live reader is counted by the next due-work pass.
@@ -194,18 +195,20 @@ def _messages_ahead_of_sender(conn: Connection) -> Found:
 
 
 def _endpoints_without(conn: Connection) -> Found:
-    checks: list[tuple[str, Any, Any, str]] = [
+    checks: list[tuple[str, Any, Any, str, Any]] = [
         (
             "endpoint_without_group",
             _g,
             _g.c.conversation_group_id == _e.c.conversation_group_id,
             "its conversation group {group} does not exist: RECEIVE cannot lock it",
+            None,
         ),
         (
             "endpoint_without_queue",
             _q,
             _q.c.queue_id == _e.c.queue_id,
             "its queue {queue} does not exist",
+            None,
         ),
         (
             "endpoint_without_service",
@@ -213,11 +216,14 @@ def _endpoints_without(conn: Connection) -> Found:
             _svc.c.name == _e.c.service_name,
             "its service {service!r} does not exist (dropped while the conversation was open): "
             "end it WITH CLEANUP if it is dead",
+            # DROP SERVICE ends the service's conversations and keeps the endpoints that ended
+            # before their far side did (DO) or still have their Error to send (CD).
+            _e.c.state.not_in(["DO", "CD"]),
         ),
     ]
-    for kind, table, on, sentence in checks:
+    for kind, table, on, sentence, only in checks:
         missing = next(iter(table.primary_key.columns))
-        rows = conn.execute(
+        stmt = (
             select(
                 _e.c.conversation_handle,
                 _e.c.conversation_group_id,
@@ -228,6 +234,7 @@ def _endpoints_without(conn: Connection) -> Found:
             .where(missing.is_(None))
             .order_by(_e.c.conversation_handle)
         )
+        rows = conn.execute(stmt if only is None else stmt.where(only))
         for r in rows:
             yield (
                 kind,

@@ -44,6 +44,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
 from airflow_broker import routing
+from airflow_broker.errors import BrokerError
 from airflow_broker.messaging.delivery import RETRY_BASE
 from airflow_broker.messaging.lookups import hosted_services
 from airflow_broker.routing import dynamic
@@ -51,6 +52,7 @@ from airflow_broker.routing.routes import routes_of
 from airflow_broker.spark import commit, jdbc, transforms
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
+from airflow_broker.storage.identity import copy_refusal
 from airflow_broker.transport import Inbound, Unreachable, env_name, resolve
 
 if TYPE_CHECKING:
@@ -259,8 +261,11 @@ def run(
     run_id = uuid.uuid4().hex
     with source.engine.connect() as conn:
         me = source.instance_id_on(conn)
+        refused = copy_refusal(source, conn)
         routes = routes_of(source, conn)
         hosted = list(hosted_services(source, conn))
+    if refused is not None:  # a restored or cloned copy delivers nothing (storage.identity)
+        raise BrokerError(refused)
     report = RunReport(run_id, me)
     laps = _Laps(report.phases)
     due_by = None if retry_now else now

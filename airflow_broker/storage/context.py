@@ -50,6 +50,7 @@ class BrokerContext:
         #: logical broker name -> URL or broker (a mapping or a callable); see transport.resolver
         self.resolver: Resolver | None = resolver
         self._instance_id: str | None = None
+        self._instance_id_read_at = 0.0
         self._cache: dict[Any, tuple[float, Any]] = {}
         self._cache_lock = threading.Lock()
         #: monotonic time of the next due-work step RECEIVE should take (see Transaction)
@@ -89,7 +90,9 @@ class BrokerContext:
     # -- identity ------------------------------------------------------------------------------
     @property
     def instance_id(self) -> str:
-        """This broker database's id (a UUID string), stable for the life of the database."""
+        """This broker database's id (a UUID string), stable for the life of the database
+        (``reset-identity --new-broker`` gives a copy a new one). Read once, and again when the
+        transaction verbs re-read it (:meth:`instance_id_on`)."""
         if self._instance_id is None:
             with self.engine.connect() as conn:
                 self.instance_id_on(conn)
@@ -97,9 +100,12 @@ class BrokerContext:
         return self._instance_id
 
     def instance_id_on(self, conn: Connection) -> str:
-        """The instance id, read on ``conn`` the first time (inside a SQLite write transaction a
-        second connection would wait for this one's lock)."""
-        if self._instance_id is None:
+        """The instance id, read on ``conn`` (inside a SQLite write transaction a second
+        connection would wait for this one's lock) when the one read before is older than
+        :data:`DEFINITION_CACHE_SECONDS`: a ``reset-identity`` in another process is noticed
+        within that second."""
+        now = time.monotonic()
+        if self._instance_id is None or now - self._instance_id_read_at >= DEFINITION_CACHE_SECONDS:
             try:
                 value = conn.execute(select(s.broker_instance.c.instance_id)).scalar()
             except (OperationalError, ProgrammingError) as exc:
@@ -112,7 +118,13 @@ class BrokerContext:
             if value is None:
                 raise BrokerError(f"{self!r} is not migrated: run Broker.migrate()")
             self._instance_id = str(value)
+            self._instance_id_read_at = now
         return self._instance_id
+
+    def invalidate_identity(self) -> None:
+        """Forget the instance id and the identity status read before (after reset-identity)."""
+        self._instance_id = None
+        self.invalidate_definitions()
 
     # -- definition cache ----------------------------------------------------------------------
     def invalidate_definitions(self) -> None:

@@ -1,5 +1,6 @@
 """Creating and upgrading a broker database: the Alembic migrations, then the rows every broker
-needs (its instance id, the system contracts and message types, the AutoCreatedLocal route)."""
+needs (its instance id and where the database is, the system contracts and message types, the
+AutoCreatedLocal route)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from airflow_broker.constants import (
 )
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
+from airflow_broker.storage.identity import record_fingerprint
 
 
 def _insert_missing(conn: Connection, key: Any, value: Any, **values: Any) -> bool:
@@ -48,6 +50,9 @@ def migrate_on(conn: Connection) -> None:
         forwarding=False,
         created_at=now,
     )
+    # Where the identity lives (storage.identity). Never overwritten here: migrate() on a
+    # restored or cloned copy must not hide that it is one (reset-identity decides).
+    record_fingerprint(conn, only_if_missing=True)
     # The system contracts: DEFAULT, and dynamic routing's MissingRoute notice.
     for contract, message_type, sent_by in (
         (DEFAULT, DEFAULT, "any"),

@@ -72,6 +72,10 @@ broker_instance = Table(
     # False when this database says it is not the principal of a mirrored pair: deliveries to it
     # are refused, so senders use the route's mirror address (PostgreSQL: also while in recovery).
     Column("principal", Boolean, nullable=False, server_default=text("true")),
+    # Where the database physically was when its identity was recorded (storage.identity): a
+    # restored, cloned or copied database no longer matches, and refuses delivery until an
+    # operator runs reset-identity. NULL: not recorded yet (migrate() records it).
+    Column("fingerprint", Text, nullable=True),
     comment="One row: this broker database's identity (service_broker_guid) and settings.",
 )
 

@@ -39,6 +39,7 @@ from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.context import BrokerContext
+from airflow_broker.storage.identity import copy_refusal
 from airflow_broker.transport.forwarding import Forwarder
 from airflow_broker.transport.packets import (
     ACK,
@@ -72,6 +73,9 @@ class Inbound:
         row = conn.execute(select(*cols)).first()
         if row is None:
             raise Unreachable(f"{self.b!r} is not migrated")
+        refused = copy_refusal(self.b, conn)  # a restored or cloned copy (storage.identity)
+        if refused is not None:
+            raise Unreachable(refused)
         principal = bool(row[2]) and not (len(row) > 3 and row[3])
         return _Settings(str(row[0]), bool(row[1]), principal)
 
@@ -346,13 +350,15 @@ class _Taker:
             if failure is not None:
                 self._fail_back(p, *failure)
                 break
-            if p.seq > expected:
+            # An Error is taken at once, gap or not: END WITH ERROR dropped what its side had not
+            # sent yet, so the gap before it never fills.
+            if p.seq > expected and p.message_type != ERROR:
                 self._enqueue(ep, p, STATUS_NOT_COMPLETE)
                 ep_held[p.seq] = p.message_type
                 self.answers.append(p.answer(ACK, self.me))
                 continue
             state = self._arrive(ep, p, state)
-            expected += 1
+            expected = p.seq + 1
             self.answers.append(p.answer(ACK, self.me))
             while expected in ep_held:
                 promoted_type = ep_held.pop(expected)

@@ -25,6 +25,7 @@ from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 from airflow_broker.storage.context import BrokerContext
+from airflow_broker.storage.identity import copy_refusal
 from airflow_broker.transport import route_requests
 from airflow_broker.transport.forwarding import (
     _key,
@@ -57,6 +58,8 @@ class Transport:
 
     def __init__(self, broker: BrokerContext) -> None:
         self.b = broker
+        #: why this pass may not deliver to other brokers (this database is a copy), or None
+        self.refused: str | None = None
 
     def after_push(self, address: str, sent: int) -> None:
         """Called after a far broker committed a batch of ``sent`` messages and before this
@@ -102,6 +105,11 @@ class Transport:
         counts: dict[str, int] = defaultdict(int)
         budget = max_messages
         after: list[Any] = []
+        # A restored or cloned copy delivers nothing between databases until an operator
+        # decides (storage.identity): remote messages wait with the reason, local ones go on.
+        self.refused = copy_refusal(self.b)
+        if self.refused is not None:
+            log.info("%s", self.refused)  # as for an unreachable broker: the rows say it too
         while budget is None or budget > 0:
             n = self._transmission_batch(
                 self.BATCH if budget is None else min(self.BATCH, budget), retry_now, counts, after
@@ -110,7 +118,8 @@ class Transport:
                 break
             if budget is not None:
                 budget -= n
-        self._transit_pass(retry_now, counts)
+        if self.refused is None:
+            self._transit_pass(retry_now, counts)
         route_requests.answer_requests(self.b)
         unreachable = counts.pop(_UNREACHABLE, 0)
         report = DeliveryReport(**counts)
@@ -198,6 +207,9 @@ class Transport:
                 if decision.step == 4:
                     missing.add(service)
                 delayed[handle] = decision.reason + " (the conversation is delayed and retried)"
+                continue
+            if self.refused is not None:
+                delayed[handle] = self.refused
                 continue
             target = asked or decision.broker_instance
             for r in msgs:

@@ -10,10 +10,10 @@ Three steps, each a module of this package (the declared objects and the plan ar
    keep their marks, and because a plain load silently keeps the last of two equal keys.
 2. :func:`plan` compares the declarations with the database's
    :class:`~airflow_broker.messaging.objects.Catalog`: references that resolve neither in the file
-   nor in the database, and objects that exist with another definition that cannot be changed in
-   place,
-   are more problems; everything else becomes a :class:`Change` (create, alter, replace or
-   unchanged), and each ``broker:`` setting a :class:`SettingChange` against the current value.
+   nor in the database, and contracts (or system objects) that exist with another definition,
+   which cannot be changed in place, are more problems; everything else becomes a
+   :class:`Change` (create, alter with the object's ALTER verb, or unchanged), and each
+   ``broker:`` setting a :class:`SettingChange` against the current value.
 3. :func:`apply_plan` runs the changes against a ``broker.definitions()`` transaction, in
    dependency order, so that the whole file lands or nothing does.
 

@@ -25,12 +25,15 @@ if TYPE_CHECKING:
 
 
 def apply_plan(p: Plan, d: Definitions) -> None:
-    """Run every change of the plan through ``d`` (one ``broker.definitions()`` transaction)."""
+    """Run every change of the plan through ``d`` (one ``broker.definitions()`` transaction): a
+    CREATE for each new object, the object's ALTER for each that differs."""
     for change in p.changes:
         if change.action == "unchanged":
             continue
         decl = change.decl
-        if isinstance(decl, MessageTypeDecl):
+        if change.action == "alter" and not isinstance(decl, QueueDecl):
+            _alter(d, change.section, decl.name, change.arguments)
+        elif isinstance(decl, MessageTypeDecl):
             d.create_message_type(
                 decl.name, validation=decl.validation, json_schema=decl.json_schema
             )
@@ -45,8 +48,6 @@ def apply_plan(p: Plan, d: Definitions) -> None:
         elif isinstance(decl, ServiceDecl):
             d.create_service(decl.name, queue=decl.queue, contracts=list(decl.contracts))
         elif isinstance(decl, RouteDecl):
-            if change.action == "replace":
-                d.drop_route(decl.name)
             d.create_route(
                 decl.name,
                 service_name=decl.service_name,
@@ -56,8 +57,6 @@ def apply_plan(p: Plan, d: Definitions) -> None:
                 lifetime_seconds=decl.lifetime_seconds,
             )
         else:
-            if change.action == "replace":
-                d.drop_priority(decl.name)
             d.create_priority(
                 decl.name,
                 contract=decl.contract,
@@ -68,6 +67,19 @@ def apply_plan(p: Plan, d: Definitions) -> None:
     changed = {s.name: s.new for s in p.settings if s.changed}
     if changed:
         d.configure(**changed)
+
+
+#: The ALTER verb of each section whose changes the plan gives as arguments.
+_ALTER = {
+    "message_types": "alter_message_type",
+    "services": "alter_service",
+    "routes": "alter_route",
+    "priorities": "alter_priority",
+}
+
+
+def _alter(d: Definitions, section: str, name: str, arguments: dict[str, Any]) -> None:
+    getattr(d, _ALTER[section])(name, **arguments)
 
 
 def _with_activation(settings: dict[str, Any]) -> dict[str, Any]:

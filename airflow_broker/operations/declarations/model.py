@@ -227,18 +227,22 @@ class Declarations:
         return items
 
 
-Action = Literal["create", "alter", "replace", "unchanged"]
+Action = Literal["create", "alter", "unchanged"]
 
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """What applying one declared object does: create it, alter or replace it, or nothing."""
+    """What applying one declared object does: create it, alter it (its ALTER verb), or
+    nothing."""
 
     section: str
     decl: Decl
     action: Action
-    #: For alter / replace: what differs, ``key: old -> new``.
+    #: For alter: what differs, ``key: old -> new``.
     differences: tuple[str, ...] = ()
+    #: For alter of a message type, service, route or priority: the keyword arguments of its
+    #: ALTER verb, only what changes (a queue is altered in the keys its declaration gives).
+    arguments: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -250,8 +254,7 @@ class Change:
             return f"+ {kind} {self.name}: created"
         if self.action == "unchanged":
             return f"= {kind} {self.name}: unchanged"
-        verb = "altered" if self.action == "alter" else "replaced"
-        return f"~ {kind} {self.name}: {verb} ({'; '.join(self.differences)})"
+        return f"~ {kind} {self.name}: altered ({'; '.join(self.differences)})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +299,7 @@ class Plan:
         )
 
     def counts(self) -> dict[str, dict[str, int]]:
-        """Per section: how many objects are created, altered (or replaced) and unchanged."""
+        """Per section: how many objects are created, altered and unchanged."""
         out = {s: {"created": 0, "altered": 0, "unchanged": 0} for s in SECTIONS}
         for change in self.changes:
             bucket = {"create": "created", "unchanged": "unchanged"}.get(change.action, "altered")

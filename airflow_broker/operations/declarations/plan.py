@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from airflow_broker.constants import DEFAULT
 from airflow_broker.messaging.definitions import Activation
 from airflow_broker.messaging.objects import Catalog
 from airflow_broker.operations.declarations.model import (
@@ -69,12 +70,14 @@ def plan(
     ``broker_instance``); a setting the file gives and ``settings`` lacks is planned as a change
     from ``unknown``.
 
-    Problems: references that resolve neither in the file nor in the database, and objects that
-    exist with a different definition when that definition cannot be changed in place (message
-    types, contracts and services hold conversations and messages that depend on them). Queues
-    are altered; routes and priorities are replaced (dropped and created again in the same
-    transaction), which is safe because nothing refers to them: a conversation copies the
-    priority it was given and looks routes up again for every delivery.
+    Problems: references that resolve neither in the file nor in the database, and contracts
+    that exist with a different definition (conversations begun on a contract depend on its
+    rules, and Service Broker has no ALTER CONTRACT), or a ``DEFAULT`` message type that does.
+    Every other object that exists with a different definition is altered in place by its
+    ALTER verb, in what differs: a queue in the keys the file gives (ALTER QUEUE); a message
+    type's validation (ALTER MESSAGE TYPE: messages sent from then on); a service's queue,
+    which its conversations move to, and its contracts (ALTER SERVICE); a route's fields (ALTER
+    ROUTE); a priority's (ALTER BROKER PRIORITY: conversations begun from then on).
     """
     now = now or datetime.now(UTC)
     problems: list[Problem] = []
@@ -112,9 +115,9 @@ def plan(
             if current is None:
                 changes.append(Change(section, decl, "create"))
                 continue
-            action, differences = _compare(decl, current, now)
+            action, differences, arguments = _compare(decl, current, now)
+            kind = KIND[section]
             if action == "refuse":
-                kind = KIND[section]
                 problems.append(
                     Problem(
                         decl.line,
@@ -124,13 +127,25 @@ def plan(
                     )
                 )
                 continue
-            changes.append(Change(section, decl, action, differences))
+            if action == "alter" and section == "message_types" and decl.name == DEFAULT:
+                problems.append(
+                    Problem(
+                        decl.line,
+                        f"{kind} {DEFAULT!r} is a system object and cannot be altered "
+                        f"({'; '.join(differences)}, database -> file)",
+                    )
+                )
+                continue
+            changes.append(Change(section, decl, action, differences, arguments))
     return Plan(tuple(changes), setting_changes), problems
 
 
-def _compare(
-    decl: Decl, current: Any, now: datetime
-) -> tuple[Action | Literal["refuse"], tuple[str, ...]]:
+Compared = tuple[Action | Literal["refuse"], tuple[str, ...], dict[str, Any]]
+
+
+def _compare(decl: Decl, current: Any, now: datetime) -> Compared:
+    """What differs between ``decl`` and the database's ``current``, and the arguments of the
+    ALTER verb that makes them equal."""
     if isinstance(decl, MessageTypeDecl):
         differences = _diff(
             [
@@ -138,62 +153,78 @@ def _compare(
                 ("json_schema", current.json_schema or None, decl.json_schema),
             ]
         )
-        return ("refuse" if differences else "unchanged"), differences
+        return _altered(
+            differences, {"validation": decl.validation, "json_schema": decl.json_schema}
+        )
     if isinstance(decl, ContractDecl):
         differences = _diff([("message_types", dict(current.message_types), decl.message_types)])
-        return ("refuse" if differences else "unchanged"), differences
+        return ("refuse" if differences else "unchanged"), differences, {}
     if isinstance(decl, ServiceDecl):
-        differences = _diff(
-            [
-                ("queue", current.queue, decl.queue),
-                ("contracts", frozenset(current.contracts), frozenset(decl.contracts)),
-            ]
-        )
-        return ("refuse" if differences else "unchanged"), differences
+        have, want = frozenset(current.contracts), frozenset(decl.contracts)
+        differences = _diff([("queue", current.queue, decl.queue), ("contracts", have, want)])
+        arguments: dict[str, Any] = {}
+        if current.queue != decl.queue:
+            arguments["queue"] = decl.queue
+        if want - have:
+            arguments["add_contracts"] = sorted(want - have)
+        if have - want:
+            arguments["drop_contracts"] = sorted(have - want)
+        return _altered(differences, arguments)
     if isinstance(decl, QueueDecl):
         pairs: list[tuple[str, Any, Any]] = []
         for key, wanted in decl.settings.items():
-            have = getattr(current, key)
-            if key == "activation" and have is not None and wanted is not None:
+            had = getattr(current, key)
+            if key == "activation" and had is not None and wanted is not None:
                 # Name the activation settings that differ, not the whole clause.
-                have = {**Activation().to_dict(), **dict(have)}
-                pairs.extend((f"activation.{k}", have.get(k), v) for k, v in wanted.items())
+                had = {**Activation().to_dict(), **dict(had)}
+                pairs.extend((f"activation.{k}", had.get(k), v) for k, v in wanted.items())
             else:
-                pairs.append((key, have, wanted))
+                pairs.append((key, had, wanted))
         differences = _diff(pairs)
-        return ("alter" if differences else "unchanged"), differences
+        return ("alter" if differences else "unchanged"), differences, {}
     if isinstance(decl, RouteDecl):
-        pairs = [
-            ("service_name", current.service_name, decl.service_name),
-            ("address", current.address, decl.address),
-            ("mirror_address", current.mirror_address, decl.mirror_address),
-        ]
-        route_diffs = list(_diff(pairs))
-        if not _same_instance(current.broker_instance, decl.broker_instance):
-            route_diffs.append(
-                f"broker_instance: {_show(current.broker_instance)} -> "
-                f"{_show(decl.broker_instance)}"
-            )
-        # The lifetime counts from the apply that created the route: applying the file again
-        # neither renews nor shortens it, unless it has run out (then the route is created anew).
-        expires_at: datetime | None = current.expires_at
-        if expires_at is not None and expires_at.tzinfo is None:
-            expires_at = expires_at.replace(tzinfo=UTC)
-        if decl.lifetime_seconds is None and expires_at is not None:
-            route_diffs.append(f"lifetime: expires {expires_at.isoformat()} -> none")
-        elif decl.lifetime_seconds is not None and expires_at is None:
-            route_diffs.append(f"lifetime: none -> {decl.lifetime_seconds} seconds")
-        elif decl.lifetime_seconds is not None and expires_at is not None and expires_at <= now:
-            route_diffs.append(
-                f"lifetime: expired {expires_at.isoformat()} -> {decl.lifetime_seconds} seconds"
-            )
-        return ("replace" if route_diffs else "unchanged"), tuple(route_diffs)
-    differences = _diff(
-        [
-            ("contract", current.contract, decl.contract),
-            ("local_service", current.local_service, decl.local_service),
-            ("remote_service", current.remote_service, decl.remote_service),
-            ("priority", current.priority, decl.priority),
-        ]
-    )
-    return ("replace" if differences else "unchanged"), differences
+        return _compare_route(decl, current, now)
+    fields = [
+        ("contract", current.contract, decl.contract),
+        ("local_service", current.local_service, decl.local_service),
+        ("remote_service", current.remote_service, decl.remote_service),
+        ("priority", current.priority, decl.priority),
+    ]
+    return _altered(_diff(fields), {key: new for key, old, new in fields if old != new})
+
+
+def _compare_route(decl: RouteDecl, current: Any, now: datetime) -> Compared:
+    fields = [
+        ("service_name", current.service_name, decl.service_name),
+        ("address", current.address, decl.address),
+        ("mirror_address", current.mirror_address, decl.mirror_address),
+    ]
+    differences = list(_diff(fields))
+    arguments: dict[str, Any] = {key: new for key, old, new in fields if old != new}
+    if not _same_instance(current.broker_instance, decl.broker_instance):
+        differences.append(
+            f"broker_instance: {_show(current.broker_instance)} -> {_show(decl.broker_instance)}"
+        )
+        arguments["broker_instance"] = decl.broker_instance
+    # The lifetime counts from the apply that created the route: applying the file again
+    # neither renews nor shortens it, unless it has run out (then it is renewed from now).
+    expires_at: datetime | None = current.expires_at
+    if expires_at is not None and expires_at.tzinfo is None:
+        expires_at = expires_at.replace(tzinfo=UTC)
+    lifetime: str | None = None
+    if decl.lifetime_seconds is None and expires_at is not None:
+        lifetime = f"expires {expires_at.isoformat()} -> none"
+    elif decl.lifetime_seconds is not None and expires_at is None:
+        lifetime = f"none -> {decl.lifetime_seconds} seconds"
+    elif decl.lifetime_seconds is not None and expires_at is not None and expires_at <= now:
+        lifetime = f"expired {expires_at.isoformat()} -> {decl.lifetime_seconds} seconds"
+    if lifetime is not None:
+        differences.append(f"lifetime: {lifetime}")
+        arguments["lifetime_seconds"] = decl.lifetime_seconds
+    return _altered(tuple(differences), arguments)
+
+
+def _altered(differences: tuple[str, ...], arguments: dict[str, Any]) -> Compared:
+    if not differences:
+        return "unchanged", (), {}
+    return "alter", differences, arguments
