@@ -12,6 +12,10 @@ name them ``broker://sales_<region>``), and ``spark_default`` (a Spark connectio
   ``//sales/Request`` by the region in its first message (a Spark SQL expression) and delivers
   it to ``//sales/<Region>`` in that region's database, exactly once;
 - ``report``: what each region's queue holds; fails if requests are still waiting.
+
+Live requests go to the routing service ``//sales/Router`` instead: ``sales_router``, defined at
+the end, is its reader DAG, activated when its queue fills; what it forwards to the regions
+leaves through the transmitter DAG (``dags/transmitter.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from airflow.sdk import DAG, Param, task
 from airflow_broker.examples import sales
 from airflow_broker.hooks import BrokerHook
 from airflow_broker.operators.spark import SparkRoutingOperator
+from airflow_broker.provider.transmitter import routing_service_dag
 
 BROKER_CONN_ID = "broker_default"
 log = logging.getLogger(__name__)
@@ -91,3 +96,7 @@ with DAG(
         return depths
 
     declare() >> file_backlog() >> route >> report()
+
+
+# The live road: the routing service's reader DAG, activated by its queue.
+routing_service_dag(sales.ROUTER, sales.ROUTER_QUEUE, dag_id="sales_router")

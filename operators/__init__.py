@@ -4,7 +4,9 @@
   ``EndConversationOperator`` (and their base, ``BrokerOperator``);
 - :mod:`.declarations`: ``ApplyDeclarationsOperator`` (the ``airflow-broker apply`` YAML);
 - :mod:`.reader`: ``DrainQueueOperator`` (an activated reader: registers, drains, exits);
-- :mod:`.spark`: ``SparkRoutingOperator`` (the Spark routing job through spark-submit).
+- :mod:`.spark`: ``SparkRoutingOperator`` (the Spark routing job through spark-submit);
+- :mod:`.transmit`: ``TransmitOperator`` (a transmitter run: delivers until nothing is due);
+- :mod:`.routing_service`: ``RoutingServiceOperator`` (a data-dependent routing service, activated).
 
 The names are also importable from this package; each module loads on first use.
 """
@@ -24,7 +26,9 @@ if TYPE_CHECKING:
         SendOperator,
     )
     from airflow_broker.operators.reader import DrainQueueOperator
+    from airflow_broker.operators.routing_service import RoutingServiceOperator
     from airflow_broker.operators.spark import SparkRoutingOperator
+    from airflow_broker.operators.transmit import TransmitOperator
 
 _MODULES = {
     "ApplyDeclarationsOperator": "declarations",
@@ -33,8 +37,10 @@ _MODULES = {
     "DrainQueueOperator": "reader",
     "EndConversationOperator": "dialog",
     "ReceiveOperator": "dialog",
+    "RoutingServiceOperator": "routing_service",
     "SendOperator": "dialog",
     "SparkRoutingOperator": "spark",
+    "TransmitOperator": "transmit",
 }
 
 __all__ = [
@@ -44,8 +50,10 @@ __all__ = [
     "DrainQueueOperator",
     "EndConversationOperator",
     "ReceiveOperator",
+    "RoutingServiceOperator",
     "SendOperator",
     "SparkRoutingOperator",
+    "TransmitOperator",
 ]
 
 

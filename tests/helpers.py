@@ -146,3 +146,22 @@ class Recorder:
 
     def total(self, name: str) -> float:
         return sum(c[2] for c in self.calls if c[0] == "incr" and c[1] == name)
+
+
+def poison(broker: Broker, queue: str = SUPPLIER_QUEUE) -> None:
+    """Disable ``queue`` by poison message handling: a message on it, and as many rolled-back
+    receives in a row as it takes (the buyer/supplier pair must be declared)."""
+    from airflow_broker.constants import POISON_THRESHOLD
+
+    send(broker, begin(broker), NOTE, "poison")
+
+    class _Refused(Exception):
+        pass
+
+    for _ in range(POISON_THRESHOLD):
+        try:
+            with broker.transaction() as tx:
+                tx.receive(queue, top=1)
+                raise _Refused
+        except _Refused:
+            pass

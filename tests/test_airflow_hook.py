@@ -271,7 +271,9 @@ def test_provider_info_is_valid_for_airflow() -> None:
     (triggers,) = info["triggers"]
     assert triggers["python-modules"] == [
         "airflow_broker.provider.triggers.activation",
+        "airflow_broker.provider.triggers.alerts",
         "airflow_broker.provider.triggers.conversation",
+        "airflow_broker.provider.triggers.transmission",
     ]
     (hooks,) = info["hooks"]
     assert hooks["python-modules"] == ["airflow_broker.hooks.broker"]
@@ -304,5 +306,7 @@ def test_providers_manager_loads_the_provider() -> None:
     )
     assert {t.trigger_class_name for t in pm.trigger} >= {
         "airflow_broker.provider.triggers.activation",
+        "airflow_broker.provider.triggers.alerts",
         "airflow_broker.provider.triggers.conversation",
+        "airflow_broker.provider.triggers.transmission",
     }

@@ -145,6 +145,9 @@ def test_dagbag_has_no_import_errors(tmp_path: Path, metadata_db: Path) -> None:
         "echo_reader",
         "echo_probe_reader",
         "echo_probe",
+        "sales_router",
+        "broker_transmitter",
+        "broker_alerts",
     }
     # Each reader DAG is activated by its queue's trigger in an AssetWatcher, and runs at most
     # as many times at once as the queue's activation allows.
@@ -153,6 +156,7 @@ def test_dagbag_has_no_import_errors(tmp_path: Path, metadata_db: Path) -> None:
         ("po_buyer_reader", "po_buyer_queue", 2),
         ("echo_reader", "echo_queue", 1),
         ("echo_probe_reader", "echo_prober_queue", 1),
+        ("sales_router", "sales_router_queue", 1),
     ]:
         d = dags[dag_id]
         assert d["watchers"] == [
@@ -164,7 +168,24 @@ def test_dagbag_has_no_import_errors(tmp_path: Path, metadata_db: Path) -> None:
             }
         ], dag_id
         assert d["max_active_runs"] == max_readers, dag_id
-        assert d["tasks"] == ["drain"], dag_id
+        assert d["tasks"] == ["route" if dag_id == "sales_router" else "drain"], dag_id
+    # The transmitter: one run at a time, started by the transmission queue's watcher.
+    assert dags["broker_transmitter"]["watchers"] == [
+        {
+            "trigger": "airflow_broker.provider.triggers.transmission.TransmissionTrigger",
+            "queue": None,
+            "broker_conn_id": "broker_default",
+            "round_trip": True,
+        }
+    ]
+    assert dags["broker_transmitter"]["max_active_runs"] == 1
+    assert dags["broker_transmitter"]["tasks"] == ["transmit"]
+    # Alerts: one asset per kind, each watched by its trigger.
+    assert (
+        sorted(w["trigger"] for w in dags["broker_alerts"]["watchers"])
+        == ["airflow_broker.provider.triggers.alerts.BrokerAlertTrigger"] * 2
+    )
+    assert all(w["round_trip"] for w in dags["broker_alerts"]["watchers"])
     assert set(dags["submit_purchase_order"]["params"]) >= {"item", "qty", "price"}
     assert dags["submit_purchase_order"]["schedule"] is None
 

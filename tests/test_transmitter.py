@@ -185,3 +185,40 @@ def test_a_killed_transmitter_does_not_block_the_next(broker_url: str) -> None:
 def test_the_threshold_is_checked(broker: Broker, threshold: int) -> None:
     with pytest.raises(InvalidDefinition, match="spark_threshold"):
         tm.transmit(broker, spark=lambda b: None, spark_threshold=threshold)
+
+
+def test_a_watcher_starts_one_run_at_a_time(network: Callable[..., tp.Net]) -> None:
+    net = network("a", "b")
+    two_way(net)
+    a = net["a"]
+    assert tm.watch(a)[0] is None  # nothing due
+    send_dialogs(a, [2] * 3)
+    fire, seen = tm.watch(a)
+    assert fire is not None and fire.due == seen.due == 6 and fire.fires == 1
+    assert fire.payload()["due"] == 6
+    # Fired: not again until that run has started and ended (or never started in time).
+    assert tm.watch(a)[0] is None
+    assert tm.watch(a, start_timeout=30)[0] is None
+    lost = tm.watch(a, start_timeout=0)[0]  # that run never started
+    assert lost is not None and lost.fires == 2
+    # A run that takes the lock and ends lets the next look fire at once.
+    with tm.transmitter_lock(a):
+        send_dialogs(a, [1])
+        assert tm.watch(a)[0] is None  # running
+    tm.transmit(a)
+    assert tm.watch(a)[0] is None  # it delivered everything: nothing due
+    send_dialogs(a, [1])
+    again = tm.watch(a)[0]
+    assert again is not None and again.fires == 3
+
+
+def test_two_watchers_fire_once(network: Callable[..., tp.Net]) -> None:
+    net = network("a", "b")
+    two_way(net)
+    send_dialogs(net["a"], [1])
+    other = Broker.connect(net.urls["a"], resolver=dict(net.resolver))
+    try:
+        fires = [tm.watch(b)[0] for b in (net["a"], other)]
+    finally:
+        other.dispose()
+    assert sum(f is not None for f in fires) == 1

@@ -37,12 +37,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
 
 from airflow_broker.errors import InvalidDefinition
 from airflow_broker.messaging.duework import run_due
 from airflow_broker.operations.housekeeping import Retention, housekeeping_step
 from airflow_broker.storage import schema as s
+from airflow_broker.storage.adapters import TRANSMIT_CHANNEL
 from airflow_broker.storage.clock import aware, utcnow
 from airflow_broker.transport import DeliveryReport, Transport
 
@@ -193,6 +196,87 @@ def transmitter_running(broker: BrokerContext) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# Activation: when a watcher starts a run
+# ---------------------------------------------------------------------------------------------
+
+#: A run a watcher started but that has not taken the lock after this long is taken as lost
+#: (its DAG run never started): the watcher starts another.
+DEFAULT_START_TIMEOUT = 60.0
+
+_tx = s.transmitter
+
+
+def _ensure_row(conn: Connection) -> None:
+    ins = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(_tx)
+    conn.execute(ins.values(id=1, fires=0).on_conflict_do_nothing(index_elements=["id"]))
+
+
+def _mark(broker: BrokerContext, column: str) -> None:
+    with broker.engine.begin() as conn:
+        _ensure_row(conn)
+        conn.execute(update(_tx).where(_tx.c.id == 1).values({column: utcnow()}))
+        if column == "finished_at" and broker.dialect == "postgresql":
+            # Wake the watchers: what was queued during the run's last pass starts the next.
+            conn.execute(text("SELECT pg_notify(:ch, '')"), {"ch": TRANSMIT_CHANNEL})
+
+
+@dataclass(frozen=True, slots=True)
+class TransmitterFire:
+    """A watcher decided to start a transmitter run."""
+
+    due: int
+    waiting: int
+    fires: int
+    oldest_enqueued_at: datetime | None
+
+    def payload(self) -> dict[str, object]:
+        """The event payload (JSON): what the trigger hands to Airflow."""
+        oldest = self.oldest_enqueued_at
+        return {
+            "due": self.due,
+            "waiting": self.waiting,
+            "fires": self.fires,
+            "oldest_enqueued_at": None if oldest is None else oldest.isoformat(),
+        }
+
+
+def watch(
+    broker: BrokerContext,
+    *,
+    start_timeout: float = DEFAULT_START_TIMEOUT,
+    now: datetime | None = None,
+) -> tuple[TransmitterFire | None, Backlog]:
+    """One look of a transmitter watcher: fire (start a run) when messages are due, no
+    transmitter is running, and the run it last started has started and ended since (or never
+    started within ``start_timeout`` seconds). Firing is a compare-and-set, so two watchers
+    never start two runs for one look. Returns the fire (or None) and the backlog seen, whose
+    ``next_attempt_at`` tells the watcher when to look again."""
+    now = utcnow() if now is None else now
+    seen = backlog(broker, now)
+    if seen.due == 0 or transmitter_running(broker):
+        return None, seen
+    with broker.engine.begin() as conn:
+        _ensure_row(conn)
+        row = conn.execute(select(_tx).where(_tx.c.id == 1)).one()
+        fired_at, started_at = aware(row.fired_at), aware(row.started_at)
+        ready = (
+            fired_at is None
+            or (started_at is not None and started_at >= fired_at)  # that run has ended
+            or (now - fired_at).total_seconds() >= start_timeout  # it never started
+        )
+        if not ready:
+            return None, seen
+        won = conn.execute(
+            update(_tx)
+            .where(_tx.c.id == 1, _tx.c.fires == row.fires)
+            .values(fires=row.fires + 1, fired_at=now)
+        ).rowcount
+    if won != 1:
+        return None, seen
+    return TransmitterFire(seen.due, seen.waiting, row.fires + 1, seen.oldest_enqueued_at), seen
+
+
+# ---------------------------------------------------------------------------------------------
 # A run
 # ---------------------------------------------------------------------------------------------
 
@@ -233,6 +317,35 @@ def _moved(r: DeliveryReport) -> int:
     return r.delivered + r.acknowledged + r.failed + r.discarded + r.forwarded
 
 
+def _run(
+    broker: BrokerContext,
+    spark: Callable[[Backlog], None] | None,
+    spark_threshold: int,
+    max_seconds: float,
+    started: float,
+) -> tuple[int, int, DeliveryReport]:
+    """Due work and delivery passes until one moves nothing; (passes, Spark runs, counts)."""
+    transport = Transport(broker)
+    total = DeliveryReport()
+    passes = spark_runs = 0
+    while True:
+        run_due(broker)
+        due = backlog(broker)
+        if spark is not None and due.due >= spark_threshold:
+            log.info(
+                "%d messages due (threshold %d): handing them to the Spark routing job",
+                due.due,
+                spark_threshold,
+            )
+            spark(due)
+            spark_runs += 1
+        report = transport.deliver()
+        passes += 1
+        total = _add(total, report)
+        if _moved(report) == 0 or time.monotonic() - started >= max_seconds:
+            return passes, spark_runs, total
+
+
 def transmit(
     broker: BrokerContext,
     *,
@@ -253,27 +366,13 @@ def transmit(
         if not got:
             log.info("another transmitter is running on this broker database: nothing to do")
             return TransmitReport(skipped=True, left=backlog(broker))
-        transport = Transport(broker)
-        total = DeliveryReport()
-        passes = spark_runs = 0
-        while True:
-            run_due(broker)
-            due = backlog(broker)
-            if spark is not None and due.due >= spark_threshold:
-                log.info(
-                    "%d messages due (threshold %d): handing them to the Spark routing job",
-                    due.due,
-                    spark_threshold,
-                )
-                spark(due)
-                spark_runs += 1
-            report = transport.deliver()
-            passes += 1
-            total = _add(total, report)
-            if _moved(report) == 0 or time.monotonic() - started >= max_seconds:
-                break
-        housekeeping_step(broker, retention)
-        left = backlog(broker)
+        _mark(broker, "started_at")
+        try:
+            passes, spark_runs, total = _run(broker, spark, spark_threshold, max_seconds, started)
+            housekeeping_step(broker, retention)
+            left = backlog(broker)
+        finally:
+            _mark(broker, "finished_at")
     result = TransmitReport(
         passes=passes,
         spark_runs=spark_runs,
@@ -299,10 +398,13 @@ def transmit(
 __all__ = [
     "DEFAULT_MAX_SECONDS",
     "DEFAULT_SPARK_THRESHOLD",
+    "DEFAULT_START_TIMEOUT",
     "Backlog",
     "TransmitReport",
+    "TransmitterFire",
     "backlog",
     "transmit",
     "transmitter_lock",
     "transmitter_running",
+    "watch",
 ]

@@ -5,6 +5,11 @@ conversations to ``//sales/Request``: a name no broker hosts. The Spark routing 
 each new conversation by the ``region`` of its first message and routes it to
 ``//sales/<Region>``, hosted by that region's own broker database (``broker://sales_<region>``).
 
+Live traffic takes the other road of seed 000: requests filed to ``//sales/Router``
+(:func:`file_live_requests`), a data-dependent routing service at headquarters with the same
+classifier, which Airflow activates when its queue fills (``routing_service_dag``); what it
+forwards leaves through the transmitter.
+
 :func:`region_service` is the classifier as a Python function (the job runs it as a UDF);
 :data:`REGION_SQL` is the same as a Spark SQL expression (evaluated natively, faster).
 """
@@ -24,6 +29,8 @@ CLIENT_QUEUE = "sales_client_queue"
 REQUEST = "//sales/Request"
 REQUEST_TYPE = "//sales/SalesRequest"
 CONTRACT = "//sales/SalesContract"
+ROUTER = "//sales/Router"
+ROUTER_QUEUE = "sales_router_queue"
 
 #: The classifier as Spark SQL over the message ``body``.
 REGION_SQL = "sql:concat('//sales/', initcap(get_json_object(CAST(body AS STRING), '$.region')))"
@@ -77,6 +84,9 @@ def declare(hq: Broker, regions: Mapping[str, Broker]) -> None:
             d.create_service(CLIENT, queue=CLIENT_QUEUE, contracts=[CONTRACT])
             for region in REGIONS:
                 d.create_route(f"to_{region}", service_of(region), None, address_of(region))
+    if not _exists(hq, s.queue, ROUTER_QUEUE):
+        hq.create_queue(ROUTER_QUEUE)
+        hq.create_routing_service(ROUTER, queue=ROUTER_QUEUE, classifier=region_service)
     for region, broker in regions.items():
         _common(broker)
         if not _exists(broker, s.queue, queue_of(region)):
@@ -101,6 +111,18 @@ def file_requests(hq: Broker, count: int, *, per_conversation: int = 1, seed: in
                     body = {"region": region, "quarter": "2026Q3", "n": seq}
                     tx.send(h, message_type=REQUEST_TYPE, body=body)
         handles += new
+    return handles
+
+
+def file_live_requests(hq: Broker, count: int, *, seed: int = 0) -> list[Any]:
+    """``count`` sales requests to the routing service, one conversation each (a region at
+    random), in one transaction; returns the conversation handles."""
+    rng = random.Random(seed)
+    with hq.transaction() as tx:
+        handles = [tx.begin_dialog(CLIENT, ROUTER, contract=CONTRACT) for _ in range(count)]
+        for h in handles:
+            body = {"region": rng.choice(REGIONS), "quarter": "2026Q4", "n": 0}
+            tx.send(h, message_type=REQUEST_TYPE, body=body)
     return handles
 
 

@@ -21,6 +21,9 @@ from airflow_broker.storage.clock import utcnow
 
 log = logging.getLogger("airflow_broker")
 
+#: In the detail of a ``queue_disabled`` event that poison handling (not ALTER QUEUE) recorded.
+POISON_DISABLED = "disabled by poison message handling"
+
 
 def record_event(conn: Connection, event: str, object_name: str, detail: str) -> None:
     """Record something the broker did on its own (shown by ``Broker.events()``)."""
@@ -57,7 +60,7 @@ def record_rollbacks(conn: Connection, queue_ids: Iterable[int]) -> tuple[int, i
                 .values(status=False, rollback_count=0, modified_at=utcnow())
             )
             detail = (
-                f"queue {row.name!r} disabled by poison message handling after "
+                f"queue {row.name!r} {POISON_DISABLED} after "
                 f"{row.rollback_count} consecutive rolled-back receiving transactions; "
                 "fix the reader, then alter_queue(status=True)"
             )

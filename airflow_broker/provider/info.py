@@ -69,6 +69,8 @@ def get_provider_info() -> dict[str, Any]:
                     "airflow_broker.operators.dialog",
                     "airflow_broker.operators.declarations",
                     "airflow_broker.operators.reader",
+                    "airflow_broker.operators.routing_service",
+                    "airflow_broker.operators.transmit",
                 ],
             }
         ],
@@ -92,7 +94,9 @@ def get_provider_info() -> dict[str, Any]:
                 "integration-name": INTEGRATION,
                 "python-modules": [
                     "airflow_broker.provider.triggers.activation",
+                    "airflow_broker.provider.triggers.alerts",
                     "airflow_broker.provider.triggers.conversation",
+                    "airflow_broker.provider.triggers.transmission",
                 ],
             }
         ],

@@ -92,7 +92,12 @@ class EngineAdapter(Protocol):
 
 
 def channel(queue_id: int) -> str:
+    """The NOTIFY channel of a queue's ready messages (migration 0002)."""
     return f"airflow_broker_q{queue_id}"
+
+
+#: The NOTIFY channel of messages queued to leave the database (migration 0010).
+TRANSMIT_CHANNEL = "airflow_broker_transmit"
 
 
 class PostgresAdapter:
@@ -197,13 +202,24 @@ class PostgresAdapter:
         return random.randint(1, 2**31 - 1)
 
     def _insert_lease(self, key: int, queue_id: int, pid: int, backend_start: Any) -> bool:
-        with self._side_connection() as side:
-            cur = side.execute(
-                "INSERT INTO broker_receive_lease (lease_key, queue_id, pid, backend_start, "
-                "started_at) VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-                (key, queue_id, pid, backend_start, utcnow()),
-            )
-        return bool(cur.rowcount == 1)
+        import psycopg
+
+        for attempt in (1, 2):
+            try:
+                with self._side_connection() as side:
+                    cur = side.execute(
+                        "INSERT INTO broker_receive_lease (lease_key, queue_id, pid, "
+                        "backend_start, started_at) VALUES (%s, %s, %s, %s, %s) "
+                        "ON CONFLICT DO NOTHING",
+                        (key, queue_id, pid, backend_start, utcnow()),
+                    )
+                return bool(cur.rowcount == 1)
+            except psycopg.OperationalError:
+                # The server ended the shared side connection (a restart, an administrator's
+                # pg_terminate_backend): it was discarded; once more on a fresh one.
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> Lease:
         """Register, outside the transaction, that it holds messages of ``queue_id``.

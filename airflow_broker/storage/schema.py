@@ -441,6 +441,36 @@ activation_monitor = Table(
     ),
 )
 
+transmitter = Table(
+    "broker_transmitter",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),  # always 1
+    # Firing is a compare-and-set on fires, so two watchers never start two runs for one wake.
+    Column("fires", BigInteger, nullable=False, server_default=text("0")),
+    Column("fired_at", Timestamp, nullable=True),
+    Column("started_at", Timestamp, nullable=True),
+    Column("finished_at", Timestamp, nullable=True),
+    comment=(
+        "The transmitter's activation (one row): when a watcher last started a run, and when "
+        "a run last started and finished; a watcher fires again once the run it started ended."
+    ),
+)
+
+alert = Table(
+    "broker_alert",
+    metadata,
+    Column("watcher", NAME, nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("object_name", NAME, nullable=False),
+    Column("fired_at", Timestamp, nullable=False),
+    PrimaryKeyConstraint("watcher", "kind", "object_name"),
+    comment=(
+        "Alerts a watcher has raised and that still hold (a queue disabled by poison handling, "
+        "a target service whose transmissions wait too long); the row goes when the condition "
+        "ends, so the next episode alerts again."
+    ),
+)
+
 activation_reader = Table(
     "broker_activation_reader",
     metadata,

@@ -163,10 +163,19 @@ class QueueWaiter:
     arrives while the caller looks is not lost.
     """
 
-    def __init__(self, broker: Broker, queue_id: int, poll_interval: float) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        queue_id: int,
+        poll_interval: float,
+        *,
+        channel_name: str | None = None,
+    ) -> None:
         self.broker = broker
         self.queue_id = queue_id
         self.poll_interval = poll_interval
+        #: the NOTIFY channel (default: the queue's; the transmitter's is TRANSMIT_CHANNEL)
+        self.channel_name = channel_name or channel(queue_id)
         self.event = asyncio.Event()
         self._listener: _Listener | None = None
         self._key: tuple[str, str] | None = None
@@ -179,7 +188,7 @@ class QueueWaiter:
         loop = asyncio.get_running_loop()
         self._retry_at = loop.time() + LISTEN_RETRY_SECONDS  # cleared once listening
         url, params = _connect_params(self.broker)
-        key = (url, channel(self.queue_id))
+        key = (url, self.channel_name)
         table = _listeners.setdefault(loop, {})
         listener = table.get(key)
         if listener is None or listener.broken:
@@ -206,7 +215,8 @@ class QueueWaiter:
     def clear(self) -> None:
         self.event.clear()
 
-    async def wait(self) -> None:
+    async def wait(self, timeout: float | None = None) -> None:
+        """Until a NOTIFY, or ``poll_interval`` (or the shorter ``timeout``) seconds."""
         listener = self._listener
         if listener is not None and listener.broken:
             await self.close()
@@ -214,7 +224,8 @@ class QueueWaiter:
         elif self._retry_at is not None and asyncio.get_running_loop().time() >= self._retry_at:
             await self.open()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.event.wait(), timeout=self.poll_interval)
+            limit = self.poll_interval if timeout is None else min(timeout, self.poll_interval)
+            await asyncio.wait_for(self.event.wait(), timeout=max(limit, 0.0))
 
     async def close(self) -> None:
         listener, key = self._listener, self._key

@@ -64,6 +64,7 @@ from airflow_broker.transport.routing_service.paths import (
 from airflow_broker.transport.routing_service.router import ENDED_STATES, MODES, RoutingService
 from airflow_broker.transport.routing_service.service import (
     create_routing_service,
+    routing_handler,
     routing_service,
     run_routing_service,
     sweep_mappings,
@@ -83,6 +84,7 @@ __all__ = [
     "load_json",
     "parse_json_path",
     "parse_xpath",
+    "routing_handler",
     "routing_service",
     "run_routing_service",
     "sweep_mappings",

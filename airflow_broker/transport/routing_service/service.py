@@ -28,6 +28,9 @@ from airflow_broker.transport.routing_service.router import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from airflow_broker.messaging.objects import Message
     from airflow_broker.messaging.transaction import Transaction
     from airflow_broker.storage.context import BrokerContext
 
@@ -109,6 +112,24 @@ def routing_service(broker: BrokerContext, name: str) -> RoutingService:
     return RoutingService(row.name, row.queue, row.mode, row.classifier)
 
 
+def routing_handler(
+    broker: BrokerContext, name: str
+) -> tuple[str, Callable[[Transaction, list[Message]], None]]:
+    """Routing service ``name`` as a reader's handler: its queue, and ``handler(tx, messages)``
+    that routes what one RECEIVE returned inside that transaction. An activated reader (the
+    Airflow ``RoutingServiceOperator``, an ``ActivationRunner``) drains the queue with it as
+    :func:`run_routing_service` does."""
+    svc = routing_service(broker, name)
+    classify = compile_classifier(svc.classifier)
+
+    def handler(tx: Transaction, messages: list[Message]) -> None:
+        router = _Router(tx, svc, classify)
+        for m in messages:
+            router.handle(m)
+
+    return svc.queue, handler
+
+
 def run_routing_service(broker: BrokerContext, name: str, max_messages: int | None = None) -> int:
     """One pass of routing service ``name``: RECEIVE from its queue, a conversation group per
     transaction, and route every message, until the queue is empty or ``max_messages`` were
@@ -117,16 +138,13 @@ def run_routing_service(broker: BrokerContext, name: str, max_messages: int | No
         not isinstance(max_messages, int) or isinstance(max_messages, bool) or max_messages < 1
     ):
         raise InvalidDefinition(f"max_messages must be a whole number >= 1, not {max_messages!r}")
-    svc = routing_service(broker, name)
-    classify = compile_classifier(svc.classifier)
+    queue, handle = routing_handler(broker, name)
     handled = 0
     while max_messages is None or handled < max_messages:
         top = None if max_messages is None else max_messages - handled
         with Transaction(broker) as tx:
-            messages = tx.receive(svc.queue, top=top)
-            router = _Router(tx, svc, classify)
-            for m in messages:
-                router.handle(m)
+            messages = tx.receive(queue, top=top)
+            handle(tx, messages)
         if not messages:
             break
         handled += len(messages)
