@@ -35,6 +35,17 @@ POSTGRES_URL = os.environ.get(
 TEMPLATE_DB = f"broker_test_template_{os.getpid()}"
 
 
+@pytest.fixture(autouse=True)
+def _close_peer_brokers() -> Iterator[None]:
+    """Peers that deliveries opened by URL are shared by the process for its life; a test run
+    opens hundreds of short-lived databases, so each test closes the ones it opened (else the
+    server's max_connections is reached late in a run)."""
+    yield
+    from airflow_broker.transport.resolve import close_peers
+
+    close_peers()
+
+
 def new_instance_id(url: str) -> None:
     """A copy of a migrated database becomes a broker instance of its own, as a fresh
     migrate() makes it (with the fingerprint of where it is: not a copy of the template)."""

@@ -102,3 +102,15 @@ def resolve(broker: BrokerContext, address: str) -> BrokerContext:
             peer = type(broker).connect(url, resolver=resolver, **kwargs)
             _peers[url] = peer
     return peer
+
+
+def close_peers() -> int:
+    """Close the connections of every peer broker this process opened by URL and forget them
+    (the next delivery opens them again); returns how many there were. For a long-lived process
+    that talked to many short-lived databases (a test run), or before it forks."""
+    with _peers_lock:
+        peers = list(_peers.values())
+        _peers.clear()
+    for peer in peers:
+        peer.dispose()
+    return len(peers)
