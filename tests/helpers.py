@@ -161,7 +161,8 @@ def poison(broker: Broker, queue: str = SUPPLIER_QUEUE) -> None:
     for _ in range(POISON_THRESHOLD):
         try:
             with broker.transaction() as tx:
-                tx.receive(queue, top=1)
+                assert tx.receive(queue, top=1), f"{queue} has no message to roll back"
                 raise _Refused
         except _Refused:
             pass
+    assert broker.catalog().queues[queue].status is False, "poison handling did not disable it"

@@ -22,12 +22,13 @@ from helpers import (
     Recorder,
     begin,
     declare_pair,
+    poison,
     receive,
     send,
 )
 
 from airflow_broker import Broker, metrics
-from airflow_broker.constants import DEFAULT, POISON_THRESHOLD
+from airflow_broker.constants import DEFAULT
 from airflow_broker.operations import sampling
 
 TESTS = Path(__file__).parent
@@ -35,14 +36,6 @@ TESTS = Path(__file__).parent
 
 class Failed(Exception):
     pass
-
-
-def poison(broker: Broker) -> None:
-    send(broker, begin(broker), NOTE, "poison")
-    for _ in range(POISON_THRESHOLD):
-        with pytest.raises(Failed), broker.transaction() as tx:
-            tx.receive(SUPPLIER_QUEUE, top=1)
-            raise Failed
 
 
 # -- the engine's counts, through a recording sink ---------------------------------------------

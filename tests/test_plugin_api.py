@@ -34,13 +34,14 @@ from helpers import (
     begin,
     declare_pair,
     open_order,
+    poison,
     receive,
     send,
 )
 from sqlalchemy import func, insert, select
 
 from airflow_broker import Broker
-from airflow_broker.constants import DEFAULT, POISON_THRESHOLD
+from airflow_broker.constants import DEFAULT
 from airflow_broker.operations import echo
 from airflow_broker.operations import monitoring as mon
 from airflow_broker.provider.plugin.api import create_app
@@ -199,17 +200,6 @@ def snapshot(broker: Broker) -> dict[str, Any]:
             "messages": n(s.message),
             "events": n(s.event),
         }
-
-
-def poison(broker: Broker) -> None:
-    class Failed(Exception):
-        pass
-
-    send(broker, begin(broker), NOTE, "poison")
-    for _ in range(POISON_THRESHOLD):
-        with pytest.raises(Failed), broker.transaction() as tx:
-            tx.receive(SUPPLIER_QUEUE, top=1)
-            raise Failed
 
 
 def to_remote(broker: Broker, *bodies: str) -> uuid.UUID:
