@@ -30,7 +30,7 @@ from airflow_broker.messaging.fast_send import (
     endpoint_statement,
 )
 from airflow_broker.storage import schema as s
-from airflow_broker.storage.adapters import Lease
+from airflow_broker.storage.adapters import ReceiveLease
 
 if TYPE_CHECKING:
     from airflow_broker.storage.context import BrokerContext
@@ -57,7 +57,7 @@ class TransactionCore:
         self.broker = broker
         self._owned = within is None
         self.connection: Connection = broker.engine.connect() if within is None else within
-        self._leases: dict[int, Lease] = {}
+        self._leases: dict[int, ReceiveLease] = {}
         self._dirty = False
         self._done = False
         self._doomed: str | None = None

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class Lease:
+class ReceiveLease:
     """This transaction received from ``queue_id``: if it never commits, that is a rollback."""
 
     queue_id: int
@@ -72,11 +72,11 @@ class EngineAdapter(Protocol):
 
     def new_lease_key(self) -> int | None: ...
 
-    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> Lease: ...
+    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> ReceiveLease: ...
 
-    def leases_committing(self, conn: Connection, leases: list[Lease]) -> None: ...
+    def leases_committing(self, conn: Connection, leases: list[ReceiveLease]) -> None: ...
 
-    def close_leases(self, leases: list[Lease]) -> None: ...
+    def close_leases(self, leases: list[ReceiveLease]) -> None: ...
 
     def reap_dead_leases(self, conn: Connection) -> list[int]: ...
 
@@ -134,7 +134,7 @@ class PostgresAdapter:
     def _side_connection(self) -> Iterator[Any]:
         """An autocommit connection with synchronous_commit off, shared under a lock.
 
-        Lease rows are written here: they must be visible at once, outside the reader's own
+        Receive-lease rows are written here: they must be visible at once, outside the reader's own
         transaction, and are cheap to lose in a server crash (their table is UNLOGGED).
         """
         with self._lock:
@@ -221,7 +221,7 @@ class PostgresAdapter:
                     raise
         raise AssertionError("unreachable")
 
-    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> Lease:
+    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> ReceiveLease:
         """Register, outside the transaction, that it holds messages of ``queue_id``.
 
         Called right after the RECEIVE statement that took messages and inserted the commit
@@ -239,15 +239,15 @@ class PostgresAdapter:
                 ),
                 {"k": key},
             )
-        return Lease(queue_id=queue_id, key=key)
+        return ReceiveLease(queue_id=queue_id, key=key)
 
-    def leases_committing(self, conn: Connection, leases: list[Lease]) -> None:
+    def leases_committing(self, conn: Connection, leases: list[ReceiveLease]) -> None:
         """Nothing left to do: RECEIVE's statement wrote the markers and reset the run."""
 
-    def close_leases(self, leases: list[Lease]) -> None:
+    def close_leases(self, leases: list[ReceiveLease]) -> None:
         """Nothing to release: the due-work pass clears committed leases."""
 
-    def forget_leases(self, conn: Connection, leases: list[Lease]) -> list[int]:
+    def forget_leases(self, conn: Connection, leases: list[ReceiveLease]) -> list[int]:
         """After a rollback: delete this transaction's lease rows; returns the queues to count.
 
         A reaper may have counted a row first; only rows this call deletes are counted here.
@@ -378,17 +378,17 @@ class SqliteAdapter:
     def new_lease_key(self) -> int | None:
         return None  # the lease is a locked file, named when it is opened
 
-    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> Lease:
+    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> ReceiveLease:
         if self._lease_dir is None:
-            return Lease(queue_id=queue_id)  # an in-memory database dies with its process
+            return ReceiveLease(queue_id=queue_id)  # an in-memory database dies with its process
         self._lease_dir.mkdir(exist_ok=True)
         path = self._lease_dir / f"{os.getpid()}-{uuid.uuid4().hex}.lease"
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.write(fd, str(queue_id).encode())
-        return Lease(queue_id=queue_id, path=path, fd=fd)
+        return ReceiveLease(queue_id=queue_id, path=path, fd=fd)
 
-    def leases_committing(self, conn: Connection, leases: list[Lease]) -> None:
+    def leases_committing(self, conn: Connection, leases: list[ReceiveLease]) -> None:
         # The files go after the commit (close_leases); the commit breaks the run of rollbacks.
         conn.execute(
             text(
@@ -398,7 +398,7 @@ class SqliteAdapter:
             {"queue_ids": json.dumps(sorted({lease.queue_id for lease in leases}))},
         )
 
-    def close_leases(self, leases: list[Lease]) -> None:
+    def close_leases(self, leases: list[ReceiveLease]) -> None:
         # Unlink before unlocking: a reaper that gets the lock then sees the file is gone.
         for lease in leases:
             if lease.path is not None:
@@ -408,7 +408,7 @@ class SqliteAdapter:
                 os.close(lease.fd)
                 lease.fd = None
 
-    def forget_leases(self, conn: Connection, leases: list[Lease]) -> list[int]:
+    def forget_leases(self, conn: Connection, leases: list[ReceiveLease]) -> list[int]:
         self.close_leases(leases)
         return [lease.queue_id for lease in leases]
 

@@ -121,6 +121,11 @@ queue = Table(
     Column("rollback_count", Integer, nullable=False, server_default=text("0")),
     Column("created_at", Timestamp, nullable=False),
     Column("modified_at", Timestamp, nullable=False),
+    # Failure handling per conversation (all None: Service Broker's disable-after-five rule).
+    Column("retry_delay", Float, nullable=True),
+    Column("retry_delay_max", Float, nullable=True),
+    Column("max_receives", Integer, nullable=True),
+    Column("dead_letter_queue", NAME, nullable=True),
 )
 
 service = Table(
@@ -174,6 +179,10 @@ conversation_group = Table(
         nullable=False,
         index=True,
     ),
+    # Held without a transaction: by a lease (lease_token) until it is completed, released or
+    # expires, or after a failed attempt until held_until (the queue's retry_delay backoff).
+    Column("held_until", Timestamp, nullable=True),
+    Column("lease_token", Uuid, nullable=True),
     comment="The unit of locking: RECEIVE locks one row here until its transaction ends.",
 )
 
@@ -244,6 +253,12 @@ message = Table(
     Column("validation", String(1), nullable=False),
     Column("message_body", LargeBinary, nullable=True),
     Column("enqueued_at", Timestamp, nullable=False),
+    # Hand-outs before this one that did not remove the message (rolled back, reader killed,
+    # lease expired or released); a lease counts its own hand-out here at once.
+    Column("receive_count", Integer, nullable=False, server_default=text("0")),
+    Column("lease_token", Uuid, nullable=True),
+    # On a dead-letter queue: where the message came from and why (JSON), else NULL.
+    Column("dead_letter", Text, nullable=True),
     comment="The contents of every queue.",
 )
 
@@ -346,6 +361,9 @@ receive_lease = Table(
     Column("pid", Integer, nullable=False),
     Column("backend_start", Timestamp, nullable=True),
     Column("started_at", Timestamp, nullable=False),
+    # The queuing_order of every message the transaction took (JSON list): what a failed
+    # attempt counts (receive_count) when the reader dies or rolls back.
+    Column("held", Text, nullable=True),
     info={"unlogged": True},
     comment=(
         "One row per open transaction that has received messages (PostgreSQL), written outside "
@@ -566,5 +584,35 @@ spark_staging = Table(
     comment=(
         "Messages the Spark routing job wrote for this broker and has not committed yet: the "
         "commit moves them into queues (exactly once, by sequence numbers) and deletes them."
+    ),
+)
+
+lease = Table(
+    "broker_lease",
+    metadata,
+    Column("token", Uuid, primary_key=True),
+    Column("queue_id", Integer, nullable=False),
+    Column("conversation_group_id", Uuid, nullable=False),
+    Column("leased_at", Timestamp, nullable=False),
+    Column("expires_at", Timestamp, nullable=False, index=True),
+    comment=(
+        "Messages handed out without an open transaction (Broker.lease): the group stays held "
+        "until tx.complete(token), release, or expiry, which returns them as a failed attempt."
+    ),
+)
+
+dedupe = Table(
+    "broker_dedupe",
+    metadata,
+    # "c:<conversation handle>" for SEND and END, "s:<initiator service>" for BEGIN DIALOG.
+    Column("scope", String(300), nullable=False),
+    Column("dedupe_key", String(512), nullable=False),
+    Column("conversation_handle", Uuid, nullable=False, index=True),
+    Column("created_at", Timestamp, nullable=False),
+    PrimaryKeyConstraint("scope", "dedupe_key"),
+    comment=(
+        "Keys of idempotent SEND, BEGIN DIALOG and END CONVERSATION: a second call with a key "
+        "already here does nothing (BEGIN returns the recorded conversation handle). Rows go "
+        "when their conversation's endpoint is purged."
     ),
 )
