@@ -17,12 +17,14 @@ from airflow_broker.errors import (
     ContractViolation,
     ConversationEnded,
     InvalidDefinition,
+    LeaseExpired,
     MessageValidationError,
     ObjectExists,
     QueueDisabled,
     UnknownObject,
 )
-from airflow_broker.messaging.objects import ConversationEndpoint, Message, QueueStatus
+from airflow_broker.messaging.leases import Lease
+from airflow_broker.messaging.objects import ConversationEndpoint, DeadLetter, Message, QueueStatus
 
 _moved.install()  # modules of the flat layout keep importing from their old paths
 
@@ -38,7 +40,10 @@ __all__ = [
     "ContractViolation",
     "ConversationEnded",
     "ConversationEndpoint",
+    "DeadLetter",
     "InvalidDefinition",
+    "Lease",
+    "LeaseExpired",
     "Message",
     "MessageValidationError",
     "ObjectExists",

@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
-from airflow_broker.messaging.arguments import UNSET
+from airflow_broker.messaging import leases
+from airflow_broker.messaging.arguments import UNSET, Handle
 from airflow_broker.messaging.definitions import Activation, Definitions, define
 from airflow_broker.messaging.duework import DueReport, run_due
+from airflow_broker.messaging.leases import Lease
 from airflow_broker.messaging.objects import (
     BrokerEvent,
     Catalog,
+    Message,
     QueueStatus,
     TransitRow,
     TransmissionRow,
@@ -122,9 +126,25 @@ class Broker(BrokerContext):
         retention: bool = False,
         poison_message_handling: bool = True,
         activation: Activation | dict[str, Any] | None = None,
+        *,
+        retry_delay: float | None = None,
+        retry_delay_max: float | None = None,
+        max_receives: int | None = None,
+        dead_letter_queue: str | None = None,
     ) -> None:
-        """CREATE QUEUE (see :meth:`Definitions.create_queue`)."""
-        self._define("create_queue", name, status, retention, poison_message_handling, activation)
+        """CREATE QUEUE (see :meth:`Definitions.create_queue`, failure handling included)."""
+        self._define(
+            "create_queue",
+            name,
+            status,
+            retention,
+            poison_message_handling,
+            activation,
+            retry_delay=retry_delay,
+            retry_delay_max=retry_delay_max,
+            max_receives=max_receives,
+            dead_letter_queue=dead_letter_queue,
+        )
 
     def alter_queue(
         self,
@@ -133,9 +153,26 @@ class Broker(BrokerContext):
         retention: bool | None = None,
         poison_message_handling: bool | None = None,
         activation: Activation | dict[str, Any] | None = UNSET,
+        *,
+        retry_delay: float | Any | None = UNSET,
+        retry_delay_max: float | Any | None = UNSET,
+        max_receives: int | Any | None = UNSET,
+        dead_letter_queue: str | Any | None = UNSET,
     ) -> None:
-        """ALTER QUEUE (see :meth:`Definitions.alter_queue`)."""
-        self._define("alter_queue", name, status, retention, poison_message_handling, activation)
+        """ALTER QUEUE (see :meth:`Definitions.alter_queue`; a failure-handling option given
+        as None is turned off)."""
+        self._define(
+            "alter_queue",
+            name,
+            status,
+            retention,
+            poison_message_handling,
+            activation,
+            retry_delay=retry_delay,
+            retry_delay_max=retry_delay_max,
+            max_receives=max_receives,
+            dead_letter_queue=dead_letter_queue,
+        )
 
     def create_service(self, name: str, queue: str, contracts: Sequence[str] = ()) -> None:
         """CREATE SERVICE (see :meth:`Definitions.create_service`)."""
@@ -305,6 +342,42 @@ class Broker(BrokerContext):
     def transaction(self) -> Transaction:
         """A messaging transaction: ``with broker.transaction() as tx: ...``."""
         return Transaction(self)
+
+    def lease(
+        self,
+        queue: str,
+        *,
+        lease_seconds: float,
+        top: int | None = None,
+        wait_seconds: float = 0,
+        conversation_group_id: Handle | None = None,
+    ) -> Lease | None:
+        """Take the next free conversation group's messages (up to ``top``) for a long handler
+        and commit at once: the group stays held, with no open transaction, until
+        ``tx.complete(lease.token)`` in a later transaction, :meth:`release`, or
+        ``lease_seconds`` pass (the messages are then ready again, a failed attempt). None when
+        nothing is ready within ``wait_seconds``. See :mod:`airflow_broker.messaging.leases`."""
+        with self.transaction() as tx:
+            return leases.take_lease(
+                tx,
+                queue,
+                lease_seconds=lease_seconds,
+                top=top,
+                wait_seconds=wait_seconds,
+                conversation_group_id=conversation_group_id,
+            )
+
+    def release(self, token: Handle, delay: float = 0) -> None:
+        """Give a lease's messages back, ready again after ``delay`` seconds (a failed attempt).
+
+        :raises LeaseExpired: the lease is no longer held."""
+        leases.release(self, token, delay)
+
+    def extend(self, token: Handle, seconds: float) -> datetime:
+        """Hold a lease until ``seconds`` from now; returns its new expiry.
+
+        :raises LeaseExpired: the lease is no longer held."""
+        return leases.extend(self, token, seconds)
 
     def run_due(self) -> DueReport:
         """Fire due conversation timers, expire lifetimes, count the rollbacks of readers that

@@ -34,6 +34,10 @@ ERR_WRONG_BROKER_INSTANCE: Final = -8494
 #: ``reset-identity`` ended the conversation: its database was restored, cloned or copied.
 ERR_BROKER_IDENTITY_RESET: Final = -8495
 
+#: The Error code of a conversation ended by dead-lettering: one of its messages reached its
+#: queue's ``max_receives``, and its unprocessed messages moved to the dead-letter queue.
+DEAD_LETTERED: Final = -8496
+
 #: Consecutive rolled-back receiving transactions that disable a queue.
 POISON_THRESHOLD: Final = 5
 

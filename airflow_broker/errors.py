@@ -38,3 +38,8 @@ class ConversationEnded(BrokerError):
 
 class QueueDisabled(BrokerError):
     """RECEIVE from a queue whose status is off (by an operator, or by poison-message handling)."""
+
+
+class LeaseExpired(BrokerError):
+    """``complete`` (or ``extend``, ``release``) of a lease that lapsed and was taken back: its
+    messages were returned to the queue, and may since have been handed to another reader."""

@@ -52,6 +52,7 @@ MESSAGES_RECEIVED = "broker.messages_received"
 TRANSPORT_FAILED = "broker.transport_failed"
 DELIVERY_FAILED = "broker.delivery_failed"
 QUEUES_DISABLED = "broker.queues_disabled"
+DEAD_LETTERED = "broker.dead_lettered"
 
 #: Longest metric name this module makes (Airflow refuses names over 250 characters, prefix
 #: included).

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Connection
 
 from airflow_broker import Broker
 from airflow_broker.storage import queries
+from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.schema import message as message_table
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -148,7 +149,7 @@ def test_claim_statement_uses_indexes(
     stmt = queries.claim_statement(
         "postgresql", by_handle=by_handle, by_group=by_group, retention=retention
     )
-    params: dict[str, Any] = {"queue_id": ids["queue_id"], "top": top}
+    params: dict[str, Any] = {"queue_id": ids["queue_id"], "top": top, "now": utcnow()}
     if by_handle:
         params["handle"] = ids["handle"]
     if by_group:
@@ -167,7 +168,7 @@ def test_lock_group_statement_uses_indexes(
 ) -> None:
     ids = _ids(conn)
     stmt = queries.lock_group_statement("postgresql", by_handle=by_handle, by_group=by_group)
-    params: dict[str, Any] = {"queue_id": ids["queue_id"]}
+    params: dict[str, Any] = {"queue_id": ids["queue_id"], "now": utcnow()}
     if by_handle:
         params["handle"] = ids["handle"]
     if by_group:
@@ -188,7 +189,7 @@ def test_claim_really_runs_on_the_deep_queue_through_its_index(conn: Connection)
     """EXPLAIN ANALYZE the default claim (then roll it back): one group, 100 rows, no Seq Scan."""
     ids = _ids(conn)
     stmt = queries.claim_statement("postgresql", by_handle=False, by_group=False, retention=False)
-    params = {"queue_id": ids["queue_id"], "top": None}
+    params = {"queue_id": ids["queue_id"], "top": None, "now": utcnow()}
     raw = conn.execute(text(f"EXPLAIN (ANALYZE, FORMAT JSON) {_sql(stmt)}"), params).scalar_one()
     conn.rollback()
     plan = raw[0]["Plan"]
@@ -231,7 +232,7 @@ def test_claim_plan_survives_statistics_taken_while_the_queue_was_empty(pg_broke
         ).scalar_one()
         raw = conn.execute(
             text(f"EXPLAIN (ANALYZE, FORMAT JSON) {_sql(stmt)}"),
-            {"queue_id": queue_id, "top": 1, "lease_key": 1},
+            {"queue_id": queue_id, "top": 1, "lease_key": 1, "now": utcnow()},
         ).scalar_one()
         conn.rollback()
     nodes = list(_plan_nodes(raw[0]["Plan"]))

@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 
 from airflow_broker.constants import DEFAULT, SENT_BY, SYSTEM_MESSAGE_TYPES
 from airflow_broker.errors import InvalidDefinition, UnknownObject
+from airflow_broker.messaging import failure
 from airflow_broker.messaging.arguments import UNSET, as_name
 from airflow_broker.messaging.events import record_event
 from airflow_broker.messaging.route_definitions import RouteDefinitions, check_address
@@ -216,9 +217,35 @@ class Definitions(ServiceDefinitions, RouteDefinitions):
         retention: bool = False,
         poison_message_handling: bool = True,
         activation: Activation | dict[str, Any] | None = None,
+        *,
+        retry_delay: float | None = None,
+        retry_delay_max: float | None = None,
+        max_receives: int | None = None,
+        dead_letter_queue: str | None = None,
     ) -> None:
-        """CREATE QUEUE."""
+        """CREATE QUEUE, with failure handling per conversation (all off by default: Service
+        Broker's rule, five rolled-back receives in a row disable the queue).
+
+        :param retry_delay: after a failed attempt, the conversation group waits this many
+            seconds before its messages are handed out again, doubling per attempt
+        :param retry_delay_max: ... up to this many seconds
+        :param max_receives: a message handed out this many times without being processed
+            dead-letters its conversation (ended WITH ERROR ``DEAD_LETTERED``, its messages moved
+            to ``dead_letter_queue``); the queue is then never disabled by poison handling
+        :param dead_letter_queue: the queue that receives them (an ordinary queue, required
+            with ``max_receives``)
+        """
         as_name(name, "queue")
+        options = self._failure_options(
+            name,
+            {
+                "retry_delay": retry_delay,
+                "retry_delay_max": retry_delay_max,
+                "max_receives": max_receives,
+                "dead_letter_queue": dead_letter_queue,
+            },
+            {},
+        )
         for flag, value in (
             ("status", status),
             ("retention", retention),
@@ -241,8 +268,26 @@ class Definitions(ServiceDefinitions, RouteDefinitions):
                 rollback_count=0,
                 created_at=now,
                 modified_at=now,
+                **options,
             )
         )
+
+    def _failure_options(
+        self, name: str, given: dict[str, Any], current: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Checked failure-handling options of queue ``name`` (``given`` over ``current``)."""
+        values = failure.check_options(name, given)
+        failure.check_combination(name, {**current, **values})
+        dlq = values.get("dead_letter_queue")
+        if dlq is not None:
+            found = self._conn.execute(
+                select(s.queue.c.dead_letter_queue).where(s.queue.c.name == dlq)
+            ).first()
+            if found is None:
+                raise UnknownObject(
+                    f"queue {name!r}: dead_letter_queue {dlq!r} does not exist in this broker"
+                )
+        return values
 
     def alter_queue(
         self,
@@ -251,11 +296,30 @@ class Definitions(ServiceDefinitions, RouteDefinitions):
         retention: bool | None = None,
         poison_message_handling: bool | None = None,
         activation: Activation | dict[str, Any] | None = UNSET,
+        *,
+        retry_delay: float | Any | None = UNSET,
+        retry_delay_max: float | Any | None = UNSET,
+        max_receives: int | Any | None = UNSET,
+        dead_letter_queue: str | Any | None = UNSET,
     ) -> None:
         """ALTER QUEUE. Re-enabling a queue (``status=True``) also resets its rollback count
-        and lets messages that waited for it in the transmission queue go on the next due pass."""
+        and lets messages that waited for it in the transmission queue go on the next due pass.
+        The failure-handling options (see :meth:`create_queue`) change when given; None turns
+        one off."""
         row = self._queue_row(name)
+        given = {
+            k: v
+            for k, v in (
+                ("retry_delay", retry_delay),
+                ("retry_delay_max", retry_delay_max),
+                ("max_receives", max_receives),
+                ("dead_letter_queue", dead_letter_queue),
+            )
+            if v is not UNSET
+        }
+        current = {k: getattr(row, k) for k in failure.OPTIONS}
         values: dict[str, Any] = {"modified_at": utcnow()}
+        values.update(self._failure_options(name, given, current))
         for flag, value in (
             ("status", status),
             ("retention", retention),
@@ -297,7 +361,15 @@ class Definitions(ServiceDefinitions, RouteDefinitions):
             select(s.service.c.name).where(s.service.c.queue_id == row.queue_id),
             "service(s)",
         )
+        self._refuse_if_used(
+            f"queue {name!r}",
+            select(s.queue.c.name).where(s.queue.c.dead_letter_queue == name),
+            "queue(s) as their dead_letter_queue",
+        )
         self._conn.execute(delete(s.message).where(s.message.c.queue_id == row.queue_id))
+        # Dead-lettered conversations (closed) live in the queue they were moved to.
+        e = s.conversation_endpoint
+        self._conn.execute(delete(e).where(e.c.queue_id == row.queue_id))
         self._conn.execute(delete(s.queue).where(s.queue.c.queue_id == row.queue_id))
 
     # -- settings ------------------------------------------------------------------------------

@@ -26,8 +26,9 @@ from airflow_broker.constants import (
     ERROR,
 )
 from airflow_broker.messaging.delivery import Delivery, backoff
-from airflow_broker.messaging.events import record_rollbacks
+from airflow_broker.messaging.failure import record_failed_attempts
 from airflow_broker.messaging.fast_send import endpoint_statement
+from airflow_broker.messaging.leases import expire_leases
 from airflow_broker.messaging.objects import (
     error_body,
 )
@@ -54,6 +55,7 @@ class DueReport:
     queues_disabled: int = 0
     transmissions_delivered: int = 0
     endpoints_purged: int = 0
+    leases_expired: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,11 +86,14 @@ class DueWork:
     def run(self, now: datetime, *, purge: bool = False) -> DueReport:
         timers = self._fire_timers(now)
         expired = self._expire_lifetimes(now)
-        counted, disabled = record_rollbacks(self.conn, self.b.adapter.reap_dead_leases(self.conn))
+        counted, disabled = record_failed_attempts(
+            self.b, self.conn, self.b.adapter.reap_dead_leases(self.conn), now
+        )
+        leases = expire_leases(self.b, self.conn, now)
         delivered = self._retry_local_transmissions(now)
         purged = self.purge_closed(now) if purge else 0
         self.next_due = self._next_due()
-        return DueReport(timers, expired, counted, disabled, delivered, purged)
+        return DueReport(timers, expired, counted, disabled, delivered, purged, leases)
 
     def _next_due(self) -> datetime | None:
         e, t = s.conversation_endpoint, s.transmission_queue
@@ -101,6 +106,7 @@ class DueWork:
                 .where(e.c.lifetime.is_not(None), e.c.state.notin_(("ER", "CD")))
                 .scalar_subquery(),
                 select(func.min(t.c.next_attempt_at)).scalar_subquery(),
+                select(func.min(s.lease.c.expires_at)).scalar_subquery(),
             )
         ).one()
         found = [aware(c) for c in candidates if c is not None]
@@ -241,9 +247,17 @@ class DueWork:
         """Remove up to :attr:`BATCH` endpoints closed (CD) more than ``retention`` ago, their
         messages, and conversation groups left empty; returns how many endpoints went."""
         e = s.conversation_endpoint
+        m = s.message
         old = (
             select(e.c.conversation_handle)
             .where(e.c.state == "CD", e.c.closed_at <= now - retention)
+            # A dead-lettered conversation stays while its dead letters wait to be received.
+            .where(
+                ~exists().where(
+                    m.c.conversation_handle == e.c.conversation_handle,
+                    m.c.dead_letter.is_not(None),
+                )
+            )
             .limit(self.BATCH)
         )
         if self.b.dialect == "postgresql":
@@ -253,7 +267,6 @@ class DueWork:
         handles = self.conn.execute(old).scalars().all()
         if not handles:
             return 0
-        m = s.message
         self.conn.execute(delete(m).where(m.c.conversation_handle.in_(handles)))
         result = self.conn.execute(delete(e).where(e.c.conversation_handle.in_(handles)))
         g = s.conversation_group

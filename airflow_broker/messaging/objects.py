@@ -17,8 +17,42 @@ from airflow_broker.constants import ERROR, ERROR_NAMESPACE, STATE_DESC
 
 
 @dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """Where a message on a dead-letter queue came from, and why it is there."""
+
+    #: the queue it was dead-lettered from
+    queue: str
+    #: its conversation (ended WITH ERROR ``DEAD_LETTERED`` when it was dead-lettered)
+    conversation_handle: uuid.UUID
+    #: how many times it had been handed out on ``queue``
+    receive_count: int
+    #: a sentence saying why
+    reason: str
+
+    def to_json(self) -> str:
+        """The ``broker_message.dead_letter`` column."""
+        return json.dumps(
+            {
+                "queue": self.queue,
+                "conversation_handle": str(self.conversation_handle),
+                "receive_count": self.receive_count,
+                "reason": self.reason,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str | None) -> DeadLetter | None:
+        """Inverse of :meth:`to_json` (None stays None)."""
+        if text is None:
+            return None
+        d = json.loads(text)
+        return cls(d["queue"], uuid.UUID(d["conversation_handle"]), d["receive_count"], d["reason"])
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
-    """One message as RECEIVE returns it (the columns of a Service Broker RECEIVE)."""
+    """One message as RECEIVE returns it (the columns of a Service Broker RECEIVE), with how
+    many times it has been handed out and, on a dead-letter queue, where it came from."""
 
     status: int
     priority: int
@@ -31,6 +65,13 @@ class Message:
     message_type_name: str
     validation: str
     message_body: bytes | None
+    #: how many times this message has been handed out, this time included (1 on the first
+    #: RECEIVE): rolled-back transactions, readers killed holding it and expired leases count
+    receive_count: int = 1
+    #: set on messages of a dead-letter queue: where they came from and why
+    dead_letter: DeadLetter | None = None
+    #: when it was put in this queue (set by peek)
+    enqueued_at: datetime | None = None
 
     def text(self) -> str | None:
         """The body decoded as UTF-8, or None for a message without a body."""
@@ -46,6 +87,34 @@ class Message:
         if self.message_type_name != ERROR or self.message_body is None:
             return None
         return parse_error_body(self.message_body)
+
+
+def messages_from_rows(rows: list[Any], *, counted: bool) -> list[Message]:
+    """Claimed ``broker_message`` rows as messages, in the order RECEIVE hands them out.
+
+    :param counted: the rows' receive_count already counts this hand-out (a lease's)."""
+    rows = sorted(
+        rows,
+        key=lambda r: (-r.priority, r.precedence, r.conversation_handle, r.message_sequence_number),
+    )
+    return [
+        Message(
+            status=1,
+            priority=r.priority,
+            queuing_order=r.queuing_order,
+            conversation_group_id=r.conversation_group_id,
+            conversation_handle=r.conversation_handle,
+            message_sequence_number=r.message_sequence_number,
+            service_name=r.service_name,
+            service_contract_name=r.service_contract_name,
+            message_type_name=r.message_type_name,
+            validation=r.validation,
+            message_body=r.message_body,
+            receive_count=r.receive_count + (0 if counted else 1),
+            dead_letter=DeadLetter.from_json(r.dead_letter),
+        )
+        for r in rows
+    ]
 
 
 def error_body(code: int, description: str) -> bytes:

@@ -18,16 +18,15 @@ from sqlalchemy import (
 )
 
 from airflow_broker import metrics
-from airflow_broker.constants import (
-    STATUS_READY,
-)
 from airflow_broker.errors import (
     InvalidDefinition,
 )
+from airflow_broker.messaging import leases
 from airflow_broker.messaging.arguments import Handle, as_uuid
 from airflow_broker.messaging.duework import DueWork
 from airflow_broker.messaging.objects import (
     Message,
+    messages_from_rows,
 )
 from airflow_broker.messaging.tx_core import DUE_POLL_SECONDS, MAX_WAIT_SLICE, TransactionCore
 from airflow_broker.storage import queries
@@ -56,6 +55,36 @@ class Receiving(TransactionCore):
         :param conversation_group: only from this conversation group.
         :param wait_seconds: wait up to this long for messages (WAITFOR); 0 returns at once.
         """
+        q, rows = self._claim(queue, top, conversation_handle, conversation_group, wait_seconds)
+        if not rows:
+            return []
+        if metrics.enabled():
+            self._received[q.name] = self._received.get(q.name, 0) + len(rows)
+        held = [r.queuing_order for r in rows]
+        lease = self._leases.get(q.queue_id)
+        adapter = self.broker.adapter
+        if lease is None:
+            self._leases[q.queue_id] = adapter.open_lease(
+                self.connection, q.queue_id, self._lease_key, held
+            )
+            self._lease_key = None
+        else:
+            adapter.hold_more(lease, held)
+        # This hand-out is counted in the row only if it fails (its transaction is undone).
+        return messages_from_rows(rows, counted=False)
+
+    def _claim(
+        self,
+        queue: str,
+        top: int | None,
+        conversation_handle: Handle | None,
+        conversation_group: Handle | None,
+        wait_seconds: float,
+        *,
+        lease_token: uuid.UUID | None = None,
+    ) -> tuple[Any, list[Any]]:
+        """Lock the next free group of ``queue`` with ready messages and take (or, with
+        ``lease_token``, mark) up to ``top`` of them, waiting up to ``wait_seconds``."""
         if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
             raise InvalidDefinition(f"top must be a whole number >= 1, not {top!r}")
         if conversation_handle is not None and conversation_group is not None:
@@ -70,12 +99,18 @@ class Receiving(TransactionCore):
         if conversation_group is not None:
             params["group_id"] = as_uuid(conversation_group, "conversation group")
         adapter = self.broker.adapter
-        lease = self._leases.get(q.queue_id)
-        key = lease.key if lease is not None else adapter.new_lease_key()
-        # PostgreSQL: the claim itself writes the commit marker of this transaction's lease.
-        mark = bool(q.poison_message_handling) and self.broker.dialect == "postgresql"
+        # PostgreSQL: the claim itself writes the commit marker of this transaction's receive
+        # lease (what tells a rollback or a dead reader from a commit).
+        mark = self.broker.dialect == "postgresql" and lease_token is None
         if mark:
-            params["lease_key"] = key
+            lease = self._leases.get(q.queue_id)
+            if lease is not None:
+                params["lease_key"] = lease.key
+            else:
+                self._lease_key = self._lease_key or adapter.new_lease_key()
+                params["lease_key"] = self._lease_key
+        if lease_token is not None:
+            params["token"] = lease_token
         by_handle, by_group = conversation_handle is not None, conversation_group is not None
         stmt = queries.claim_statement(
             self.broker.dialect,
@@ -83,9 +118,11 @@ class Receiving(TransactionCore):
             by_group=by_group,
             retention=q.retention,
             mark=mark,
+            lease=lease_token is not None,
         )
 
         def claim() -> list[Any]:
+            params["now"] = utcnow()
             rows: list[Any] = self._execute(stmt, params).all()
             if rows:
                 return rows
@@ -102,37 +139,22 @@ class Receiving(TransactionCore):
             return rows
 
         rows = self._wait_for(q, wait_seconds, claim)
-        if not rows:
-            return []
+        if rows:
+            self._dirty = True
+        return q, rows
+
+    # -- leases --------------------------------------------------------------------------------
+    def complete(self, token: Handle) -> int:
+        """Complete the lease ``token`` (see :meth:`Broker.lease`): its messages are removed
+        when this transaction commits, together with what it SENDs and writes; returns how many.
+
+        :raises LeaseExpired: the lease lapsed and its messages went back to the queue (another
+            reader may have them); nothing was removed.
+        """
+        self._check_open()
+        done = leases.complete(self.broker, self.connection, token)
         self._dirty = True
-        if metrics.enabled():
-            self._received[q.name] = self._received.get(q.name, 0) + len(rows)
-        if q.poison_message_handling and lease is None:
-            self._leases[q.queue_id] = adapter.open_lease(self.connection, q.queue_id, key)
-        rows.sort(
-            key=lambda r: (
-                -r.priority,
-                r.precedence,
-                r.conversation_handle,
-                r.message_sequence_number,
-            )
-        )
-        return [
-            Message(
-                status=STATUS_READY,
-                priority=r.priority,
-                queuing_order=r.queuing_order,
-                conversation_group_id=r.conversation_group_id,
-                conversation_handle=r.conversation_handle,
-                message_sequence_number=r.message_sequence_number,
-                service_name=r.service_name,
-                service_contract_name=r.service_contract_name,
-                message_type_name=r.message_type_name,
-                validation=r.validation,
-                message_body=r.message_body,
-            )
-            for r in rows
-        ]
+        return done
 
     def get_conversation_group(self, queue: str, wait_seconds: float = 0) -> uuid.UUID | None:
         """GET CONVERSATION GROUP: lock the next group with ready messages and return its id
@@ -141,7 +163,8 @@ class Receiving(TransactionCore):
         stmt = queries.lock_group_statement(self.broker.dialect)
 
         def lock_group() -> list[Any]:
-            rows: list[Any] = self._execute(stmt, {"queue_id": q.queue_id}).all()
+            params = {"queue_id": q.queue_id, "now": utcnow()}
+            rows: list[Any] = self._execute(stmt, params).all()
             if not rows:
                 self._raise_if_disabled(q)
             return rows

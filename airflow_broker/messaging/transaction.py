@@ -39,6 +39,7 @@ from airflow_broker.errors import (
 from airflow_broker.messaging.arguments import Handle, as_name, as_uuid
 from airflow_broker.messaging.delivery import Delivery
 from airflow_broker.messaging.ending import Ending
+from airflow_broker.messaging.failure import record_failed_attempts
 from airflow_broker.messaging.fast_send import (
     SEND_MANY_PG,
     SEND_ONE_PG,
@@ -60,6 +61,7 @@ from airflow_broker.messaging.validation import (
 )
 from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
+from airflow_broker.storage.adapters import FailedHold
 from airflow_broker.storage.clock import aware, utcnow
 
 log = logging.getLogger("airflow_broker")
@@ -73,6 +75,9 @@ class Transaction(Receiving, Ending):
     counts towards the queue's poison-message handling. ``tx.connection`` is the SQLAlchemy
     connection of this transaction, for application state that must commit with the messages.
     """
+
+    def _record_failures(self, conn: Any, holds: list[FailedHold]) -> None:
+        record_failed_attempts(self.broker, conn, holds, utcnow())
 
     # -- BEGIN DIALOG --------------------------------------------------------------------------
     def begin_dialog(

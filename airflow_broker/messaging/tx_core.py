@@ -25,12 +25,11 @@ from airflow_broker.errors import (
     QueueDisabled,
     UnknownObject,
 )
-from airflow_broker.messaging.events import record_rollbacks
 from airflow_broker.messaging.fast_send import (
     endpoint_statement,
 )
 from airflow_broker.storage import schema as s
-from airflow_broker.storage.adapters import ReceiveLease
+from airflow_broker.storage.adapters import FailedHold, ReceiveLease
 
 if TYPE_CHECKING:
     from airflow_broker.storage.context import BrokerContext
@@ -58,6 +57,9 @@ class TransactionCore:
         self._owned = within is None
         self.connection: Connection = broker.engine.connect() if within is None else within
         self._leases: dict[int, ReceiveLease] = {}
+        #: PostgreSQL: the key of the receive lease the next RECEIVE opens (its commit marker
+        #: is written by the RECEIVE statement itself)
+        self._lease_key: int | None = None
         self._dirty = False
         self._done = False
         self._doomed: str | None = None
@@ -123,11 +125,16 @@ class TransactionCore:
             conn.rollback()
             leases = list(self._leases.values())
             if leases:
-                queue_ids = self.broker.adapter.forget_leases(conn, leases)
-                record_rollbacks(conn, queue_ids)
+                holds = self.broker.adapter.forget_leases(conn, leases)
+                self._record_failures(conn, holds)
                 conn.commit()
         finally:
             conn.close()
+
+    def _record_failures(self, conn: Connection, holds: list[FailedHold]) -> None:
+        """After a rollback: the hand-outs it undid are failed attempts (see
+        :mod:`airflow_broker.messaging.failure`; the transaction class provides it)."""
+        raise NotImplementedError
 
     def _check_open(self) -> None:
         if self._done:

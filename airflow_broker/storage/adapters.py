@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -55,6 +55,17 @@ class ReceiveLease:
     key: int = 0
     path: Path | None = None
     fd: int | None = None
+    #: queuing_order of every message taken: a failed attempt counts them (receive_count)
+    held: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class FailedHold:
+    """Messages a receiving transaction took and did not keep (it rolled back, or its reader
+    died): one failed attempt for each of them."""
+
+    queue_id: int
+    held: tuple[int, ...]
 
 
 @dataclass(slots=True)
@@ -72,13 +83,19 @@ class EngineAdapter(Protocol):
 
     def new_lease_key(self) -> int | None: ...
 
-    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> ReceiveLease: ...
+    def open_lease(
+        self, conn: Connection, queue_id: int, key: int | None, held: list[int]
+    ) -> ReceiveLease: ...
+
+    def hold_more(self, lease: ReceiveLease, held: list[int]) -> None: ...
+
+    def forget_leases(self, conn: Connection, leases: list[ReceiveLease]) -> list[FailedHold]: ...
 
     def leases_committing(self, conn: Connection, leases: list[ReceiveLease]) -> None: ...
 
     def close_leases(self, leases: list[ReceiveLease]) -> None: ...
 
-    def reap_dead_leases(self, conn: Connection) -> list[int]: ...
+    def reap_dead_leases(self, conn: Connection) -> list[FailedHold]: ...
 
     def dead_leases(self, conn: Connection) -> list[tuple[str, int]]: ...
 
@@ -201,19 +218,13 @@ class PostgresAdapter:
         """A key for the lease of the next receive; RECEIVE's statement marks it on commit."""
         return random.randint(1, 2**31 - 1)
 
-    def _insert_lease(self, key: int, queue_id: int, pid: int, backend_start: Any) -> bool:
+    def _side_execute(self, sql: str, params: tuple[Any, ...]) -> Any:
         import psycopg
 
         for attempt in (1, 2):
             try:
                 with self._side_connection() as side:
-                    cur = side.execute(
-                        "INSERT INTO broker_receive_lease (lease_key, queue_id, pid, "
-                        "backend_start, started_at) VALUES (%s, %s, %s, %s, %s) "
-                        "ON CONFLICT DO NOTHING",
-                        (key, queue_id, pid, backend_start, utcnow()),
-                    )
-                return bool(cur.rowcount == 1)
+                    return side.execute(sql, params)
             except psycopg.OperationalError:
                 # The server ended the shared side connection (a restart, an administrator's
                 # pg_terminate_backend): it was discarded; once more on a fresh one.
@@ -221,15 +232,36 @@ class PostgresAdapter:
                     raise
         raise AssertionError("unreachable")
 
-    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> ReceiveLease:
-        """Register, outside the transaction, that it holds messages of ``queue_id``.
+    def _insert_lease(
+        self, key: int, queue_id: int, pid: int, backend_start: Any, held: list[int]
+    ) -> bool:
+        cur = self._side_execute(
+            "INSERT INTO broker_receive_lease (lease_key, queue_id, pid, "
+            "backend_start, started_at, held) VALUES (%s, %s, %s, %s, %s, %s) "
+            "ON CONFLICT DO NOTHING",
+            (key, queue_id, pid, backend_start, utcnow(), json.dumps(held)),
+        )
+        return bool(cur.rowcount == 1)
+
+    def hold_more(self, lease: ReceiveLease, held: list[int]) -> None:
+        """A later RECEIVE of the same transaction took more messages of the lease's queue."""
+        lease.held.extend(held)
+        self._side_execute(
+            "UPDATE broker_receive_lease SET held = %s WHERE lease_key = %s",
+            (json.dumps(lease.held), lease.key),
+        )
+
+    def open_lease(
+        self, conn: Connection, queue_id: int, key: int | None, held: list[int]
+    ) -> ReceiveLease:
+        """Register, outside the transaction, that it holds messages ``held`` of ``queue_id``.
 
         Called right after the RECEIVE statement that took messages and inserted the commit
         marker for ``key`` (that same statement, so the marker exists if and only if the
         transaction commits)."""
         assert key is not None
         pid, backend_start = self._backend(conn)
-        while not self._insert_lease(key, queue_id, pid, backend_start):
+        while not self._insert_lease(key, queue_id, pid, backend_start, held):
             # A 1-in-2^31 clash with a live lease: take another key and mark that one too.
             key = random.randint(1, 2**31 - 1)
             conn.execute(
@@ -239,7 +271,7 @@ class PostgresAdapter:
                 ),
                 {"k": key},
             )
-        return ReceiveLease(queue_id=queue_id, key=key)
+        return ReceiveLease(queue_id=queue_id, key=key, held=list(held))
 
     def leases_committing(self, conn: Connection, leases: list[ReceiveLease]) -> None:
         """Nothing left to do: RECEIVE's statement wrote the markers and reset the run."""
@@ -247,20 +279,21 @@ class PostgresAdapter:
     def close_leases(self, leases: list[ReceiveLease]) -> None:
         """Nothing to release: the due-work pass clears committed leases."""
 
-    def forget_leases(self, conn: Connection, leases: list[ReceiveLease]) -> list[int]:
-        """After a rollback: delete this transaction's lease rows; returns the queues to count.
+    def forget_leases(self, conn: Connection, leases: list[ReceiveLease]) -> list[FailedHold]:
+        """After a rollback: delete this transaction's lease rows; returns what to count.
 
         A reaper may have counted a row first; only rows this call deletes are counted here.
         """
         rows = conn.execute(
             text(
-                "DELETE FROM broker_receive_lease WHERE lease_key = ANY(:keys) RETURNING queue_id"
+                "DELETE FROM broker_receive_lease WHERE lease_key = ANY(:keys) "
+                "RETURNING queue_id, held"
             ),
             {"keys": [lease.key for lease in leases]},
         )
-        return [r.queue_id for r in rows]
+        return [_failed(r.queue_id, r.held) for r in rows]
 
-    def reap_dead_leases(self, conn: Connection) -> list[int]:
+    def reap_dead_leases(self, conn: Connection) -> list[FailedHold]:
         """Clear leases of committed transactions; return the queues of those whose reader died
         (backend gone, no commit marker): each one is a rolled-back receive."""
         conn.execute(
@@ -279,10 +312,10 @@ class PostgresAdapter:
                 "      OR a.backend_start = l.backend_start))"
                 " AND NOT EXISTS (SELECT 1 FROM broker_receive_commit c"
                 "                 WHERE c.lease_key = l.lease_key)"
-                " RETURNING queue_id"
+                " RETURNING queue_id, held"
             )
         )
-        return [r.queue_id for r in rows]
+        return [_failed(r.queue_id, r.held) for r in rows]
 
     def dead_leases(self, conn: Connection) -> list[tuple[str, int]]:
         """Read-only: (lease, queue id) of leases whose reader died holding messages and that
@@ -378,15 +411,27 @@ class SqliteAdapter:
     def new_lease_key(self) -> int | None:
         return None  # the lease is a locked file, named when it is opened
 
-    def open_lease(self, conn: Connection, queue_id: int, key: int | None) -> ReceiveLease:
+    def open_lease(
+        self, conn: Connection, queue_id: int, key: int | None, held: list[int]
+    ) -> ReceiveLease:
         if self._lease_dir is None:
-            return ReceiveLease(queue_id=queue_id)  # an in-memory database dies with its process
+            # an in-memory database dies with its process
+            return ReceiveLease(queue_id=queue_id, held=list(held))
         self._lease_dir.mkdir(exist_ok=True)
         path = self._lease_dir / f"{os.getpid()}-{uuid.uuid4().hex}.lease"
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, str(queue_id).encode())
-        return ReceiveLease(queue_id=queue_id, path=path, fd=fd)
+        lease = ReceiveLease(queue_id=queue_id, path=path, fd=fd)
+        self.hold_more(lease, held)
+        return lease
+
+    def hold_more(self, lease: ReceiveLease, held: list[int]) -> None:
+        """The file says which queue and which messages: ``{"queue_id": 1, "held": [...]}``."""
+        lease.held.extend(held)
+        if lease.fd is not None:
+            data = json.dumps({"queue_id": lease.queue_id, "held": lease.held}).encode()
+            os.ftruncate(lease.fd, 0)
+            os.pwrite(lease.fd, data, 0)
 
     def leases_committing(self, conn: Connection, leases: list[ReceiveLease]) -> None:
         # The files go after the commit (close_leases); the commit breaks the run of rollbacks.
@@ -408,14 +453,14 @@ class SqliteAdapter:
                 os.close(lease.fd)
                 lease.fd = None
 
-    def forget_leases(self, conn: Connection, leases: list[ReceiveLease]) -> list[int]:
+    def forget_leases(self, conn: Connection, leases: list[ReceiveLease]) -> list[FailedHold]:
         self.close_leases(leases)
-        return [lease.queue_id for lease in leases]
+        return [FailedHold(lease.queue_id, tuple(lease.held)) for lease in leases]
 
-    def reap_dead_leases(self, conn: Connection) -> list[int]:
+    def reap_dead_leases(self, conn: Connection) -> list[FailedHold]:
         if self._lease_dir is None or not self._lease_dir.exists():
             return []
-        dead: list[int] = []
+        dead: list[FailedHold] = []
         for path in self._lease_dir.glob("*.lease"):
             try:
                 fd = os.open(path, os.O_RDWR)
@@ -434,9 +479,9 @@ class SqliteAdapter:
             finally:
                 pass
             try:
-                content = os.pread(fd, 32, 0).decode() or "0"
+                content = _read_all(fd)
                 path.unlink()
-                dead.append(int(content))
+                dead.append(_lease_file(content))
             finally:
                 os.close(fd)
         return dead
@@ -458,13 +503,31 @@ class SqliteAdapter:
                 os.close(fd)
                 continue  # its reader is alive
             try:
-                dead.append((f"lease file {path.name}", int(os.pread(fd, 32, 0).decode() or "0")))
+                dead.append((f"lease file {path.name}", _lease_file(_read_all(fd)).queue_id))
             finally:
                 os.close(fd)  # closing releases the probe's shared lock
         return dead
 
     def dispose(self) -> None:
         """Nothing held outside the pool."""
+
+
+def _failed(queue_id: int, held: str | None) -> FailedHold:
+    return FailedHold(queue_id, tuple(json.loads(held)) if held else ())
+
+
+def _read_all(fd: int) -> str:
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode()
+
+
+def _lease_file(content: str) -> FailedHold:
+    """A lease file's content (a bare queue id, as files written before 0.1 held, or JSON)."""
+    if not content.strip():
+        return FailedHold(0, ())
+    if content.lstrip().startswith("{"):
+        d = json.loads(content)
+        return FailedHold(int(d["queue_id"]), tuple(d.get("held", ())))
+    return FailedHold(int(content), ())
 
 
 def adapter_for(engine: Engine) -> PostgresAdapter | SqliteAdapter:

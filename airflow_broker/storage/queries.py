@@ -19,10 +19,12 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    DateTime,
     Integer,
     LargeBinary,
     SmallInteger,
     String,
+    Text,
     Uuid,
     bindparam,
     column,
@@ -42,6 +44,8 @@ MESSAGE_COLUMNS = (
     "message_type_name",
     "validation",
     "message_body",
+    "receive_count",
+    "dead_letter",
 )
 
 _COLUMN_TYPES: dict[str, Any] = {
@@ -56,6 +60,8 @@ _COLUMN_TYPES: dict[str, Any] = {
     "message_type_name": String(),
     "validation": String(),
     "message_body": LargeBinary(),
+    "receive_count": Integer(),
+    "dead_letter": Text(),
 }
 
 #: Messages of one group come out timers first, then errors, then each dialog in sequence order.
@@ -65,6 +71,15 @@ GROUP_ORDER = "m.priority DESC, m.precedence, m.conversation_handle, m.message_s
 #: Every picker also checks the queue is enabled, so the hot path needs no separate lookup; an
 #: empty result is then told apart (disabled or just empty) by the caller.
 _ENABLED = "EXISTS (SELECT 1 FROM broker_queue qq WHERE qq.queue_id = :queue_id AND qq.status)"
+
+#: A group held without a transaction (a lease, or the backoff after a failed attempt) is not
+#: picked, and neither are new messages in it: they wait with the others, so order holds.
+_FREE = "g.lease_token IS NULL AND (g.held_until IS NULL OR g.held_until <= :now)"
+_FREE_M = (
+    "NOT EXISTS (SELECT 1 FROM broker_conversation_group g "
+    "WHERE g.conversation_group_id = m.conversation_group_id "
+    "AND (g.lease_token IS NOT NULL OR g.held_until > :now))"
+)
 
 
 def _group_picker(dialect: str, *, by_handle: bool, by_group: bool) -> str:
@@ -76,17 +91,23 @@ def _group_picker(dialect: str, *, by_handle: bool, by_group: bool) -> str:
             if pg
             else ""
         )
+        free = _FREE if pg else _FREE.replace("g.", "gg.")
+        if not pg:
+            join = (
+                "JOIN broker_conversation_group gg "
+                "ON gg.conversation_group_id = e.conversation_group_id"
+            )
         return (
             "SELECT e.conversation_group_id FROM broker_conversation_endpoint e "
             f"{join} WHERE e.conversation_handle = :handle AND e.queue_id = :queue_id "
-            f"AND {_ENABLED} {lock_g}"
+            f"AND {free} AND {_ENABLED} {lock_g}"
         )
     if by_group:
         lock = "FOR NO KEY UPDATE SKIP LOCKED" if pg else ""
         return (
             "SELECT g.conversation_group_id FROM broker_conversation_group g "
             f"WHERE g.conversation_group_id = :group_id AND g.queue_id = :queue_id "
-            f"AND {_ENABLED} {lock}"
+            f"AND {_FREE} AND {_ENABLED} {lock}"
         )
     if pg:
         # The group row is locked in a LATERAL subquery, once per ready message in queue order,
@@ -98,20 +119,23 @@ def _group_picker(dialect: str, *, by_handle: bool, by_group: bool) -> str:
             "SELECT l.conversation_group_id FROM broker_message m "
             "CROSS JOIN LATERAL (SELECT g.conversation_group_id "
             "FROM broker_conversation_group g "
-            "WHERE g.conversation_group_id = m.conversation_group_id "
+            f"WHERE g.conversation_group_id = m.conversation_group_id AND {_FREE} "
             "FOR NO KEY UPDATE SKIP LOCKED) l "
             f"WHERE m.queue_id = :queue_id AND m.status = 1 AND {_ENABLED} "
             "ORDER BY m.priority DESC, m.queuing_order LIMIT 1"
         )
     return (
         "SELECT m.conversation_group_id FROM broker_message m "
-        f"WHERE m.queue_id = :queue_id AND m.status = 1 AND {_ENABLED} "
+        f"WHERE m.queue_id = :queue_id AND m.status = 1 AND {_FREE_M} AND {_ENABLED} "
         "ORDER BY m.priority DESC, m.queuing_order LIMIT 1"
     )
 
 
 def _typed(sql: str, *, by_handle: bool, by_group: bool) -> TextClause:
-    params: list[Any] = [bindparam("queue_id", type_=Integer())]
+    params: list[Any] = [
+        bindparam("queue_id", type_=Integer()),
+        bindparam("now", type_=DateTime(timezone=True)),
+    ]
     if by_handle:
         params.append(bindparam("handle", type_=Uuid()))
     if by_group:
@@ -127,6 +151,7 @@ def claim_statement(
     by_group: bool = False,
     retention: bool = False,
     mark: bool = False,
+    lease: bool = False,
 ) -> TextClause:
     """RECEIVE: lock one conversation group and take up to ``:top`` of its ready messages.
 
@@ -137,15 +162,22 @@ def claim_statement(
     ``mark`` (PostgreSQL, poison handling on; bind ``lease_key``): when messages are taken, the
     same statement inserts this transaction's commit marker for its lease and ends the queue's run
     of rolled-back receives, both of which take effect only if the transaction commits.
+
+    ``lease`` (bind ``token``): instead of taking the messages, mark them with the lease's token
+    and count the hand-out (:mod:`airflow_broker.messaging.leases` holds the group).
+    Messages marked by a lease are never picked (a MOVE CONVERSATION may have carried them out
+    of their leased group).
     """
     picker = _group_picker(dialect, by_handle=by_handle, by_group=by_group)
     handle_filter = "AND m.conversation_handle = :handle" if by_handle else ""
     take = "UPDATE broker_message SET status = 0" if retention else "DELETE FROM broker_message"
+    if lease:
+        take = "UPDATE broker_message SET lease_token = :token, receive_count = receive_count + 1"
     picked = (
         f"WITH grp AS ({picker}), "
         "picked AS (SELECT m.queuing_order FROM broker_message m "
         "WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) "
-        f"AND m.queue_id = :queue_id AND m.status = 1 {handle_filter} "
+        f"AND m.queue_id = :queue_id AND m.status = 1 AND m.lease_token IS NULL {handle_filter} "
         f"ORDER BY {GROUP_ORDER} LIMIT :top)"
     )
     taking = (
@@ -166,6 +198,8 @@ def claim_statement(
     else:
         sql = f"{picked} {taking}"
     clause = _typed(sql, by_handle=by_handle, by_group=by_group)
+    if lease:
+        clause = clause.bindparams(bindparam("token", type_=Uuid()))
     return clause.columns(*(_col(name) for name in MESSAGE_COLUMNS))  # type: ignore[return-value]
 
 
@@ -191,7 +225,7 @@ def no_limit(dialect: str) -> int | None:
 @cache
 def ready_exists_statement(*, by_handle: bool = False, by_group: bool = False) -> TextClause:
     """Whether ready messages exist (for RECEIVE's retry after an empty claim, see below)."""
-    where = "m.queue_id = :queue_id AND m.status = 1"
+    where = f"m.queue_id = :queue_id AND m.status = 1 AND {_FREE_M}"
     if by_handle:
         where += " AND m.conversation_handle = :handle"
     if by_group:

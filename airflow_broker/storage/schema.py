@@ -72,9 +72,8 @@ broker_instance = Table(
     # False when this database says it is not the principal of a mirrored pair: deliveries to it
     # are refused, so senders use the route's mirror address (PostgreSQL: also while in recovery).
     Column("principal", Boolean, nullable=False, server_default=text("true")),
-    # Where the database physically was when its identity was recorded (storage.identity): a
-    # restored, cloned or copied database no longer matches, and refuses delivery until an
-    # operator runs reset-identity. NULL: not recorded yet (migrate() records it).
+    # Where the database was when its identity was recorded (storage.identity): a restored,
+    # cloned or copied one no longer matches and refuses delivery until reset-identity; NULL: new.
     Column("fingerprint", Text, nullable=True),
     comment="One row: this broker database's identity (service_broker_guid) and settings.",
 )
@@ -179,8 +178,7 @@ conversation_group = Table(
         nullable=False,
         index=True,
     ),
-    # Held without a transaction: by a lease (lease_token) until it is completed, released or
-    # expires, or after a failed attempt until held_until (the queue's retry_delay backoff).
+    # Held without a transaction: by a lease, or until held_until after a failed attempt.
     Column("held_until", Timestamp, nullable=True),
     Column("lease_token", Uuid, nullable=True),
     comment="The unit of locking: RECEIVE locks one row here until its transaction ends.",
@@ -237,9 +235,8 @@ message = Table(
     "broker_message",
     metadata,
     Column("queuing_order", BigId, primary_key=True, autoincrement=True),
-    # No foreign keys on the hottest table: their checks were a fifth of a batched SEND's time
-    # (measured 7.9 -> 6.3 ms per 100 messages). The engine deletes a queue's or an endpoint's
-    # messages itself wherever it deletes the queue or the endpoint.
+    # No foreign keys on the hottest table (their checks were a fifth of a batched SEND's time):
+    # the engine deletes a queue's or an endpoint's messages wherever it deletes the owner.
     Column("queue_id", Integer, nullable=False),
     Column("conversation_group_id", Uuid, nullable=False),
     Column("conversation_handle", Uuid, nullable=False, index=True),
@@ -253,11 +250,9 @@ message = Table(
     Column("validation", String(1), nullable=False),
     Column("message_body", LargeBinary, nullable=True),
     Column("enqueued_at", Timestamp, nullable=False),
-    # Hand-outs before this one that did not remove the message (rolled back, reader killed,
-    # lease expired or released); a lease counts its own hand-out here at once.
+    # Failed hand-outs (a lease counts its own at once); dead_letter: JSON, on dead-letter queues.
     Column("receive_count", Integer, nullable=False, server_default=text("0")),
     Column("lease_token", Uuid, nullable=True),
-    # On a dead-letter queue: where the message came from and why (JSON), else NULL.
     Column("dead_letter", Text, nullable=True),
     comment="The contents of every queue.",
 )
@@ -361,8 +356,7 @@ receive_lease = Table(
     Column("pid", Integer, nullable=False),
     Column("backend_start", Timestamp, nullable=True),
     Column("started_at", Timestamp, nullable=False),
-    # The queuing_order of every message the transaction took (JSON list): what a failed
-    # attempt counts (receive_count) when the reader dies or rolls back.
+    # The queuing_order of every message taken (JSON): a failed attempt counts them.
     Column("held", Text, nullable=True),
     info={"unlogged": True},
     comment=(
@@ -444,8 +438,7 @@ activation_monitor = Table(
         nullable=False,
     ),
     Column("monitor_key", NAME, nullable=False),
-    # The highest queuing_order the monitor had seen when it last fired: firing is a
-    # compare-and-set on (cursor, fires), so two monitors never fire twice for one arrival.
+    # The highest queuing_order seen at the last firing (a compare-and-set with fires).
     Column("cursor", BigInteger, nullable=False, server_default=text("0")),
     Column("fires", BigInteger, nullable=False, server_default=text("0")),
     Column("fired_at", Timestamp, nullable=True),
@@ -500,8 +493,7 @@ activation_reader = Table(
         nullable=False,
         index=True,
     ),
-    # Set when a monitor fired for this reader (cursor: the queuing_order it fired for);
-    # started_at stays empty until a reader claims the row.
+    # Set when a monitor fired for this reader; started_at stays empty until one claims it.
     Column("monitor_key", NAME, nullable=True),
     Column("cursor", BigInteger, nullable=True),
     Column("fired_at", Timestamp, nullable=True),
@@ -555,8 +547,7 @@ spark_staged_conversation = Table(
     Column("hops", Integer, nullable=False),
     # Which of the commit's parallel transactions takes the conversation.
     Column("part", SmallInteger, nullable=False),
-    # Scratch, as broker_spark_staging: no key (a retried Spark task may write a row twice),
-    # no index, unlogged.
+    # Scratch, as broker_spark_staging: no key (retried tasks write twice), no index, unlogged.
     info={"unlogged": True},
     comment=(
         "What every staged message of a conversation shares (where it comes from, where it "
@@ -575,11 +566,9 @@ spark_staging = Table(
     Column("validation", String(1), nullable=False),
     Column("message_body", LargeBinary, nullable=True),
     Column("part", SmallInteger, nullable=False),
-    # Only what differs from one message of a conversation to the next: the rest is in
-    # broker_spark_staged_conversation, written once per conversation (a third of the bytes).
-    # No key and no index: every row is written once and read once, whole, by the commit; a
-    # Spark task that is retried may write its rows twice, and the commit notices. UNLOGGED: a
-    # server crash empties it, and the source still has the messages.
+    # Only what differs between a conversation's messages (the rest is written once per
+    # conversation). No key, no index: a retried Spark task may write twice, and the commit
+    # notices. UNLOGGED: a server crash empties it, and the source still has the messages.
     info={"unlogged": True},
     comment=(
         "Messages the Spark routing job wrote for this broker and has not committed yet: the "
@@ -595,10 +584,7 @@ lease = Table(
     Column("conversation_group_id", Uuid, nullable=False),
     Column("leased_at", Timestamp, nullable=False),
     Column("expires_at", Timestamp, nullable=False, index=True),
-    comment=(
-        "Messages handed out without an open transaction (Broker.lease): the group stays held "
-        "until tx.complete(token), release, or expiry, which returns them as a failed attempt."
-    ),
+    comment="Messages handed out without an open transaction, until completed or given back.",
 )
 
 dedupe = Table(
@@ -610,9 +596,5 @@ dedupe = Table(
     Column("conversation_handle", Uuid, nullable=False, index=True),
     Column("created_at", Timestamp, nullable=False),
     PrimaryKeyConstraint("scope", "dedupe_key"),
-    comment=(
-        "Keys of idempotent SEND, BEGIN DIALOG and END CONVERSATION: a second call with a key "
-        "already here does nothing (BEGIN returns the recorded conversation handle). Rows go "
-        "when their conversation's endpoint is purged."
-    ),
+    comment="Keys of idempotent SEND, BEGIN DIALOG and END CONVERSATION.",
 )

@@ -54,10 +54,7 @@ def upgrade() -> None:
         sa.Column("leased_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("token", name=op.f("pk_broker_lease")),
-        comment=(
-            "Messages handed out without an open transaction (Broker.lease): the group stays held "
-            "until tx.complete(token), release, or expiry, which returns them as a failed attempt."
-        ),
+        comment="Messages handed out without an open transaction, until completed or given back.",
     )
     op.create_index(op.f("ix_broker_lease_expires_at"), "broker_lease", ["expires_at"])
     op.create_table(
@@ -67,11 +64,7 @@ def upgrade() -> None:
         sa.Column("conversation_handle", sa.Uuid(), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("scope", "dedupe_key", name=op.f("pk_broker_dedupe")),
-        comment=(
-            "Keys of idempotent SEND, BEGIN DIALOG and END CONVERSATION: a second call with a key "
-            "already here does nothing (BEGIN returns the recorded conversation handle). Rows go "
-            "when their conversation's endpoint is purged."
-        ),
+        comment="Keys of idempotent SEND, BEGIN DIALOG and END CONVERSATION.",
     )
     op.create_index(
         op.f("ix_broker_dedupe_conversation_handle"), "broker_dedupe", ["conversation_handle"]

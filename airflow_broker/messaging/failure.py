@@ -1,0 +1,272 @@
+"""Failure handling per conversation: receive counts, backoff and dead-lettering.
+
+A *failed attempt* is a hand-out of messages that did not remove them: the receiving transaction
+rolled back, its reader died holding them, or a lease expired or was released. Each one:
+
+1. counts toward the messages' ``receive_count`` (a lease counted its hand-out when it was
+   taken; a RECEIVE's hand-out is counted here, since its own transaction is gone);
+2. with the queue's ``max_receives`` set, dead-letters every conversation one of whose messages
+   reached it: the conversation is ended WITH ERROR ``DEAD_LETTERED`` (the far side receives the
+   Error), and its unprocessed messages move, in order, to the queue's ``dead_letter_queue``.
+   Other conversations of the queue are untouched and the queue stays enabled. With
+   ``max_receives`` unset, the queue keeps Service Broker's rule (five rolled-back receives in a
+   row disable it; :func:`~airflow_broker.messaging.events.record_rollbacks`);
+3. with ``retry_delay`` set, holds the conversation group for ``retry_delay * 2 ** (n - 1)``
+   seconds, at most ``retry_delay_max``, where n is the highest receive count of the attempt:
+   RECEIVE skips a held group, and new messages in it wait with the others, so order holds.
+
+A dead-lettered conversation's endpoint moves, closed, into the dead-letter queue with its
+messages, so that no message exists without its endpoint; the purge of closed endpoints leaves
+it until the dead letters are received.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.engine import Connection
+
+from airflow_broker import metrics
+from airflow_broker.constants import DEAD_LETTERED, STATUS_NOT_COMPLETE, STATUS_READY
+from airflow_broker.errors import ConversationEnded, InvalidDefinition
+from airflow_broker.messaging.ending import Ending
+from airflow_broker.messaging.events import record_event, record_rollbacks
+from airflow_broker.messaging.objects import DeadLetter
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.adapters import FailedHold
+
+if TYPE_CHECKING:
+    from airflow_broker.storage.context import BrokerContext
+
+log = logging.getLogger("airflow_broker")
+
+#: The queue options of failure handling, in the order create_queue takes them.
+OPTIONS = ("retry_delay", "retry_delay_max", "max_receives", "dead_letter_queue")
+
+
+def check_options(queue: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Validate the failure-handling options given for ``queue`` (None clears one); returns them
+    ready to store. Whether ``dead_letter_queue`` exists is checked by the caller."""
+    out: dict[str, Any] = {}
+    for name in ("retry_delay", "retry_delay_max"):
+        if name in values:
+            v = values[name]
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0
+            ):
+                raise InvalidDefinition(
+                    f"queue {queue!r}: {name} must be a number of seconds >= 0, not {v!r}"
+                )
+            out[name] = None if v is None else float(v)
+    if "max_receives" in values:
+        v = values["max_receives"]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise InvalidDefinition(
+                f"queue {queue!r}: max_receives must be a whole number >= 1, not {v!r}"
+            )
+        out["max_receives"] = v
+    if "dead_letter_queue" in values:
+        v = values["dead_letter_queue"]
+        if v is not None and (not isinstance(v, str) or not v):
+            raise InvalidDefinition(
+                f"queue {queue!r}: dead_letter_queue must be the name of a queue, not {v!r}"
+            )
+        if v == queue:
+            raise InvalidDefinition(f"queue {queue!r} cannot be its own dead_letter_queue")
+        out["dead_letter_queue"] = v
+    return out
+
+
+def check_combination(queue: str, row: dict[str, Any]) -> None:
+    """The options as they will stand together (after an ALTER)."""
+    if (row.get("max_receives") is None) != (row.get("dead_letter_queue") is None):
+        raise InvalidDefinition(
+            f"queue {queue!r}: max_receives and dead_letter_queue go together: a message that "
+            "reaches max_receives needs a queue to go to (give both, or neither)"
+        )
+    delay, top = row.get("retry_delay"), row.get("retry_delay_max")
+    if top is not None and delay is None:
+        raise InvalidDefinition(f"queue {queue!r}: retry_delay_max needs retry_delay")
+    if top is not None and delay is not None and top < delay:
+        raise InvalidDefinition(
+            f"queue {queue!r}: retry_delay_max ({top}) is less than retry_delay ({delay})"
+        )
+
+
+def backoff_seconds(q: Any, attempts: int) -> float | None:
+    """How long a group waits after its ``attempts``-th failed attempt (None: not at all)."""
+    if not q.retry_delay:
+        return None
+    delay = float(q.retry_delay) * 2 ** max(0, attempts - 1)
+    if q.retry_delay_max is not None:
+        delay = min(delay, float(q.retry_delay_max))
+    return delay
+
+
+def record_failed_attempts(
+    broker: BrokerContext,
+    conn: Connection,
+    holds: Iterable[FailedHold],
+    now: datetime,
+    *,
+    counted: bool = False,
+    delay: float | None = None,
+) -> tuple[int, int]:
+    """Account for failed attempts (see the module's docstring) inside ``conn``'s transaction.
+
+    :param counted: the messages' receive_count already counts these hand-outs (leases).
+    :param delay: hold the groups this long instead of the queue's backoff (a release).
+    Returns (queues' rollbacks counted, queues disabled) of Service Broker's rule.
+    """
+    by_queue: dict[int, list[int]] = defaultdict(list)
+    for hold in holds:
+        by_queue[hold.queue_id].extend(hold.held)
+    counted_rb = disabled = 0
+    for queue_id, held in sorted(by_queue.items()):
+        q = conn.execute(select(s.queue).where(s.queue.c.queue_id == queue_id)).first()
+        if q is None:
+            continue
+        rows = _count(conn, queue_id, held, counted=counted)
+        if q.max_receives is None:
+            c, d = record_rollbacks(conn, [queue_id])
+            counted_rb, disabled = counted_rb + c, disabled + d
+        poisoned = {
+            r.conversation_handle: r.receive_count
+            for r in rows
+            if q.max_receives is not None and r.receive_count >= q.max_receives
+        }
+        for handle, count in sorted(poisoned.items(), key=lambda kv: str(kv[0])):
+            dead_letter(broker, conn, q, handle, count, now)
+        _hold_groups(
+            conn, q, [r for r in rows if r.conversation_handle not in poisoned], now, delay
+        )
+    return counted_rb, disabled
+
+
+def _count(conn: Connection, queue_id: int, held: list[int], *, counted: bool) -> list[Any]:
+    """The failed attempt's messages still in the queue, with their receive counts."""
+    m = s.message
+    cols = (m.c.queuing_order, m.c.conversation_handle, m.c.conversation_group_id)
+    if not held:
+        return []
+    where = (m.c.queue_id == queue_id, m.c.queuing_order.in_(sorted(set(held))))
+    if counted:
+        return list(conn.execute(select(*cols, m.c.receive_count).where(*where)).all())
+    return list(
+        conn.execute(
+            update(m)
+            .where(*where)
+            .values(receive_count=m.c.receive_count + 1)
+            .returning(*cols, m.c.receive_count)
+        ).all()
+    )
+
+
+def _hold_groups(
+    conn: Connection, q: Any, rows: list[Any], now: datetime, delay: float | None
+) -> None:
+    worst: dict[uuid.UUID, int] = {}
+    for r in rows:
+        worst[r.conversation_group_id] = max(worst.get(r.conversation_group_id, 0), r.receive_count)
+    g = s.conversation_group
+    for group, attempts in sorted(worst.items(), key=lambda kv: str(kv[0])):
+        seconds = delay if delay is not None else backoff_seconds(q, attempts)
+        if not seconds:
+            continue
+        conn.execute(
+            update(g)
+            .where(g.c.conversation_group_id == group, g.c.lease_token.is_(None))
+            .values(held_until=now + timedelta(seconds=seconds))
+        )
+        log.info(
+            "queue %r: conversation group %s waits %.1f s before its next attempt (attempt %d "
+            "failed)",
+            q.name,
+            group,
+            seconds,
+            attempts,
+        )
+
+
+def dead_letter(
+    broker: BrokerContext, conn: Connection, q: Any, handle: uuid.UUID, count: int, now: datetime
+) -> int:
+    """End ``handle`` WITH ERROR DEAD_LETTERED and move its unprocessed messages, in order, to
+    ``q``'s dead-letter queue, inside ``conn``'s transaction. Returns how many moved."""
+    m, e, g = s.message, s.conversation_endpoint, s.conversation_group
+    dlq = conn.execute(
+        select(s.queue.c.queue_id, s.queue.c.name).where(s.queue.c.name == q.dead_letter_queue)
+    ).first()
+    if dlq is None:
+        log.error(
+            "queue %r: cannot dead-letter conversation %s, its dead_letter_queue %r does not exist",
+            q.name,
+            handle,
+            q.dead_letter_queue,
+        )
+        return 0
+    reason = (
+        f"a message of conversation {handle} was handed out {count} times on queue {q.name!r} "
+        f"without being processed (max_receives {q.max_receives})"
+    )
+    ending = Ending(broker, within=conn)
+    if broker.dialect == "postgresql":
+        ending._lock_groups_of(handle)
+    messages = conn.execute(
+        select(m)
+        .where(
+            m.c.conversation_handle == handle,
+            m.c.queue_id == q.queue_id,
+            m.c.status.in_((STATUS_READY, STATUS_NOT_COMPLETE)),
+        )
+        .order_by(m.c.message_sequence_number, m.c.queuing_order)
+    ).all()
+    try:
+        ending.end_conversation(
+            handle, error_code=DEAD_LETTERED, error_description=f"dead-lettered: {reason}"
+        )
+    except ConversationEnded:
+        # Ended on this side already (its END waits for the far side's): nothing to tell.
+        conn.execute(m.delete().where(m.c.conversation_handle == handle))
+    group = uuid.uuid4()
+    conn.execute(insert(g).values(conversation_group_id=group, queue_id=dlq.queue_id))
+    conn.execute(
+        update(e)
+        .where(e.c.conversation_handle == handle)
+        .values(queue_id=dlq.queue_id, conversation_group_id=group)
+    )
+    if messages:
+        conn.execute(
+            insert(m),
+            [
+                {
+                    "queue_id": dlq.queue_id,
+                    "conversation_group_id": group,
+                    "conversation_handle": handle,
+                    "message_sequence_number": r.message_sequence_number,
+                    "status": STATUS_READY,
+                    "priority": r.priority,
+                    "precedence": r.precedence,
+                    "service_name": r.service_name,
+                    "service_contract_name": r.service_contract_name,
+                    "message_type_name": r.message_type_name,
+                    "validation": r.validation,
+                    "message_body": r.message_body,
+                    "enqueued_at": now,
+                    "receive_count": 0,
+                    "dead_letter": DeadLetter(q.name, handle, r.receive_count, reason).to_json(),
+                }
+                for r in messages
+            ],
+        )
+    detail = f"{reason}: ended WITH ERROR, {len(messages)} message(s) moved to {dlq.name!r}"
+    record_event(conn, "dead_lettered", q.name, detail)
+    log.warning("queue %r: conversation %s dead-lettered; %s", q.name, handle, detail)
+    metrics.incr(metrics.DEAD_LETTERED, 1, {"queue": q.name})
+    return len(messages)
