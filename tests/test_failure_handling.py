@@ -3,6 +3,7 @@ dead-lettering one poisoned conversation while the rest of the queue goes on."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -132,7 +133,7 @@ def test_backoff_doubles_up_to_the_max(broker: Broker) -> None:
             raise HandlerFailed
         send(broker, other, NOTE, b"unaffected")
         assert [m.message_body for m in receive(broker, SUPPLIER_QUEUE)] == [b"unaffected"]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     expected = [0.4, 0.8, 1.0, 1.0]
     for gap, want in zip(gaps, expected, strict=True):
         assert want - 0.05 <= gap <= want + 0.8, (gaps, expected)
@@ -188,3 +189,45 @@ def test_dead_letters_survive_the_purge_of_closed_endpoints(broker: Broker) -> N
     assert dead.message_body == b"x"
     assert broker.check() == []
 
+
+def test_apply_yaml_sets_the_options_with_a_dead_letter_queue_declared_later(
+    broker: Broker,
+) -> None:
+    from airflow_broker.operations.declarations.apply import apply_declarations
+
+    text = """
+queues:
+  - name: orders
+    retry_delay: 0.5
+    retry_delay_max: 30
+    max_receives: 4
+    dead_letter_queue: orders_dead
+  - name: orders_dead
+"""
+    apply_declarations(broker, text, "failure.yaml")
+    q = broker.catalog().queues["orders"]
+    assert (q.retry_delay, q.retry_delay_max, q.max_receives, q.dead_letter_queue) == (
+        0.5,
+        30.0,
+        4,
+        "orders_dead",
+    )
+    # Unchanged the second time; null turns an option off.
+    apply_declarations(broker, text, "failure.yaml")
+    apply_declarations(
+        broker,
+        "queues:\n  - name: orders\n    max_receives: null\n    dead_letter_queue: null\n",
+        "off.yaml",
+    )
+    q = broker.catalog().queues["orders"]
+    assert (q.retry_delay, q.max_receives, q.dead_letter_queue) == (0.5, None, None)
+
+
+def test_apply_yaml_reports_an_unknown_dead_letter_queue(broker: Broker) -> None:
+    from airflow_broker.operations.declarations.apply import apply_declarations
+
+    text = "queues:\n  - name: orders\n    max_receives: 2\n    dead_letter_queue: nowhere\n"
+    with pytest.raises(InvalidDefinition) as caught:
+        apply_declarations(broker, text, "bad.yaml")
+    [line] = caught.value.lines()  # type: ignore[attr-defined]
+    assert "bad.yaml:4" in line and "dead_letter_queue 'nowhere'" in line

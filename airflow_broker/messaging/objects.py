@@ -180,6 +180,10 @@ class QueueDef:
     retention: bool
     poison_message_handling: bool
     activation: dict[str, Any] | None
+    retry_delay: float | None = None
+    retry_delay_max: float | None = None
+    max_receives: int | None = None
+    dead_letter_queue: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

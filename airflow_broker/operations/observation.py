@@ -1,16 +1,24 @@
 """The broker's catalog and health as value objects: what ``Broker.catalog()``,
-``queue_status()``, ``transmission_summary()``, ``transmission_queue()`` and ``events()`` return
-(the CLI's ``status`` prints them; the monitoring API has richer, paged views)."""
+``queue_status()``, ``transmission_summary()``, ``transmission_queue()``, ``events()`` and
+``peek()`` return (the CLI's ``status`` prints them; the monitoring API has richer, paged views)."""
 
 from __future__ import annotations
 
+import uuid
+from typing import Any
+
 from sqlalchemy import func, select
+from sqlalchemy.engine import Connection
 
 from airflow_broker.constants import STATUS_READY
+from airflow_broker.errors import InvalidDefinition, UnknownObject
+from airflow_broker.messaging.arguments import as_name
 from airflow_broker.messaging.objects import (
     BrokerEvent,
     Catalog,
     ContractDef,
+    DeadLetter,
+    Message,
     MessageTypeDef,
     PriorityDef,
     QueueDef,
@@ -49,7 +57,15 @@ def catalog(broker: BrokerContext) -> Catalog:
             contracts={k: ContractDef(k, v) for k, v in contracts.items()},
             queues={
                 r.name: QueueDef(
-                    r.name, r.status, r.retention, r.poison_message_handling, r.activation
+                    r.name,
+                    r.status,
+                    r.retention,
+                    r.poison_message_handling,
+                    r.activation,
+                    r.retry_delay,
+                    r.retry_delay_max,
+                    r.max_receives,
+                    r.dead_letter_queue,
                 )
                 for r in queue_rows
             },
@@ -178,9 +194,141 @@ def events(broker: BrokerContext, limit: int = 100) -> list[BrokerEvent]:
         ]
 
 
+# -- peek ---------------------------------------------------------------------------------------
+
+
+def peek_queue(conn: Connection, name: str) -> Any:
+    """The row of queue ``name`` (``queue_id``, ``name``, ``status``, ``retention``);
+    :class:`~airflow_broker.errors.UnknownObject` naming it when there is no such queue."""
+    as_name(name, "queue")
+    q = s.queue
+    row = conn.execute(
+        select(q.c.queue_id, q.c.name, q.c.status, q.c.retention).where(q.c.name == name)
+    ).first()
+    if row is None:
+        raise UnknownObject(f"queue {name!r} does not exist in this broker")
+    return row
+
+
+def check_peek(
+    top: int, offset: int, conversation_handle: uuid.UUID | str | None
+) -> uuid.UUID | None:
+    """Refuse (:class:`~airflow_broker.errors.InvalidDefinition`) a ``top`` below 1, a negative
+    ``offset``, either not a whole number, and a conversation handle that is not a UUID; the
+    handle as a UUID."""
+    for value, what, least in ((top, "top", 1), (offset, "offset", 0)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidDefinition(f"peek: {what} must be a whole number, not {value!r}")
+        if value < least:
+            raise InvalidDefinition(f"peek: {what} must be at least {least}, not {value}")
+    if conversation_handle is None or isinstance(conversation_handle, uuid.UUID):
+        return conversation_handle
+    try:
+        return uuid.UUID(str(conversation_handle))
+    except ValueError:
+        raise InvalidDefinition(
+            f"peek: conversation_handle must be a UUID, not {conversation_handle!r}"
+        ) from None
+
+
+def _waiting(queue_id: int, handle: uuid.UUID | None) -> list[Any]:
+    m = s.message
+    conds = [m.c.queue_id == queue_id, m.c.status == STATUS_READY]
+    if handle is not None:
+        conds.append(m.c.conversation_handle == handle)
+    return conds
+
+
+def count_waiting(conn: Connection, queue_id: int, handle: uuid.UUID | None = None) -> int:
+    """How many messages :func:`peek_on` can show: ready messages of the queue (and
+    conversation)."""
+    stmt = select(func.count()).select_from(s.message).where(*_waiting(queue_id, handle))
+    return int(conn.execute(stmt).scalar_one())
+
+
+def peek_on(
+    conn: Connection,
+    queue_id: int,
+    *,
+    top: int,
+    offset: int = 0,
+    handle: uuid.UUID | None = None,
+) -> list[Message]:
+    """:func:`peek` on an open connection, by queue id (the caller checked the arguments)."""
+    m = s.message
+    if handle is None:
+        # The order RECEIVE picks conversation groups in (ix_broker_message_ready).
+        order: tuple[Any, ...] = (m.c.priority.desc(), m.c.queuing_order)
+    else:
+        # One dialog as RECEIVE returns it: its timer, then an Error, then in sequence order.
+        order = (m.c.priority.desc(), m.c.precedence, m.c.message_sequence_number)
+    stmt = select(m).where(*_waiting(queue_id, handle)).order_by(*order).limit(top).offset(offset)
+    return [
+        Message(
+            status=r.status,
+            priority=r.priority,
+            queuing_order=r.queuing_order,
+            conversation_group_id=r.conversation_group_id,
+            conversation_handle=r.conversation_handle,
+            message_sequence_number=r.message_sequence_number,
+            service_name=r.service_name,
+            service_contract_name=r.service_contract_name,
+            message_type_name=r.message_type_name,
+            validation=r.validation,
+            message_body=r.message_body,
+            receive_count=int(r.receive_count),
+            dead_letter=DeadLetter.from_json(r.dead_letter),
+            enqueued_at=aware(r.enqueued_at),
+        )
+        for r in conn.execute(stmt)
+    ]
+
+
+def peek(
+    broker: BrokerContext,
+    queue: str,
+    *,
+    top: int = 20,
+    conversation_handle: uuid.UUID | str | None = None,
+    offset: int = 0,
+) -> list[Message]:
+    """The messages waiting in ``queue``, without receiving or locking anything.
+
+    A plain SELECT of the queue's ready messages (status 1): nothing is taken, no conversation
+    group is locked, no count changes, and on PostgreSQL it neither waits for nor holds up a
+    RECEIVE that holds a group (it sees the messages that RECEIVE took until it commits). On
+    SQLite it waits, like every read, while another transaction holds the database's write lock.
+
+    Order: the whole queue in the order RECEIVE picks conversation groups (priority, highest
+    first, then arrival: ``queuing_order``); with ``conversation_handle``, that dialog's messages
+    as RECEIVE returns them (in ``message_sequence_number`` order, a DialogTimer and an Error
+    first). ``top`` messages from ``offset`` on. Messages kept by retention (received, status 0;
+    sent, status 3) and messages that arrived out of order (status 2) are not waiting and are not
+    shown.
+
+    Each :class:`~airflow_broker.messaging.objects.Message` has ``status``, ``enqueued_at`` and
+    ``dead_letter`` set, and its ``receive_count`` is the number of times it has been handed out
+    so far without being removed (rolled back, reader killed, lease expired or released): 0 for
+    a message never received. RECEIVE reports one more, its own hand-out included.
+
+    :raises UnknownObject: ``queue`` does not exist.
+    :raises InvalidDefinition: ``top`` below 1, ``offset`` below 0, either not a whole number,
+        or a ``conversation_handle`` that is not a UUID.
+    """
+    handle = check_peek(top, offset, conversation_handle)
+    with broker.engine.connect() as conn:
+        queue_id = peek_queue(conn, queue).queue_id
+        return peek_on(conn, queue_id, top=top, offset=offset, handle=handle)
+
+
 __all__ = [
     "catalog",
+    "check_peek",
+    "count_waiting",
     "events",
+    "peek",
+    "peek_on",
+    "peek_queue",
     "queue_status",
     "transmission_queue",
     "transmission_summary",

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_broker.messaging.definitions import Activation, Definitions, define
 from airflow_broker.operations.declarations.model import (
+    QUEUE_LATE_SETTINGS,
     ContractDecl,
     DeclarationsInvalid,
     MessageTypeDecl,
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 def apply_plan(p: Plan, d: Definitions) -> None:
     """Run every change of the plan through ``d`` (one ``broker.definitions()`` transaction): a
     CREATE for each new object, the object's ALTER for each that differs."""
+    late: list[tuple[str, dict[str, Any]]] = []
     for change in p.changes:
         if change.action == "unchanged":
             continue
@@ -40,11 +42,19 @@ def apply_plan(p: Plan, d: Definitions) -> None:
         elif isinstance(decl, ContractDecl):
             d.create_contract(decl.name, dict(decl.message_types))
         elif isinstance(decl, QueueDecl):
+            # A dead-letter queue may be declared further down: those settings come last.
+            settings = decl.create_settings() if change.action == "create" else dict(decl.settings)
+            deferred: dict[str, Any] = {
+                k: settings.pop(k) for k in QUEUE_LATE_SETTINGS if k in settings
+            }
             if change.action == "create":
-                settings = decl.create_settings()
                 d.create_queue(decl.name, **_with_activation(settings))
             else:
-                d.alter_queue(decl.name, **_with_activation(dict(decl.settings)))
+                d.alter_queue(decl.name, **_with_activation(settings))
+            if any(v is not None for v in deferred.values()) or (
+                deferred and change.action != "create"
+            ):
+                late.append((decl.name, deferred))
         elif isinstance(decl, ServiceDecl):
             d.create_service(decl.name, queue=decl.queue, contracts=list(decl.contracts))
         elif isinstance(decl, RouteDecl):
@@ -64,6 +74,8 @@ def apply_plan(p: Plan, d: Definitions) -> None:
                 remote_service=decl.remote_service,
                 priority=decl.priority,
             )
+    for name, deferred in late:
+        d.alter_queue(name, **deferred)
     changed = {s.name: s.new for s in p.settings if s.changed}
     if changed:
         d.configure(**changed)

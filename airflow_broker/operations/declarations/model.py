@@ -143,10 +143,8 @@ class QueueDecl:
     #: Only the settings the file gives (an existing queue keeps the others as they are);
     #: ``activation`` is normalized to ``Activation.to_dict()`` or None.
     settings: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def refs(self) -> tuple[Ref, ...]:
-        return ()
+    #: its dead_letter_queue, when the file names one
+    refs: tuple[Ref, ...] = ()
 
     def create_settings(self) -> dict[str, Any]:
         """The settings of a new queue: the file's, over the defaults of ``create_queue``."""
@@ -158,7 +156,14 @@ QUEUE_DEFAULTS: Final[Mapping[str, Any]] = {
     "retention": False,
     "poison_message_handling": True,
     "activation": None,
+    "retry_delay": None,
+    "retry_delay_max": None,
+    "max_receives": None,
+    "dead_letter_queue": None,
 }
+
+#: Queue settings that name another queue (applied once every queue of the file exists).
+QUEUE_LATE_SETTINGS: Final = ("max_receives", "dead_letter_queue")
 
 
 @dataclass(frozen=True, slots=True)

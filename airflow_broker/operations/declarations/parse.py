@@ -314,7 +314,17 @@ _REQUIRED: Final[Mapping[str, tuple[str, ...]]] = {
 _KEYS: Final[Mapping[str, tuple[str, ...]]] = {
     "message_types": ("name", "validation", "json_schema"),
     "contracts": ("name", "message_types"),
-    "queues": ("name", "status", "retention", "poison_message_handling", "activation"),
+    "queues": (
+        "name",
+        "status",
+        "retention",
+        "poison_message_handling",
+        "activation",
+        "retry_delay",
+        "retry_delay_max",
+        "max_receives",
+        "dead_letter_queue",
+    ),
     "services": ("name", "queue", "contracts"),
     "routes": (
         "name",
@@ -425,7 +435,33 @@ def _queue(r: _Reader, what: str, name: str, line: int, e: dict[str, yaml.Node])
             settings[key] = r.boolean(e[key], f"{what}: {key}")
     if "activation" in e:
         settings["activation"] = _activation(r, e["activation"], what)
-    return QueueDecl(name, line, settings)
+    for key in ("retry_delay", "retry_delay_max"):
+        if key in e:
+            settings[key] = _seconds(r, e[key], f"{what}: {key}")
+    if "max_receives" in e:
+        node = e["max_receives"]
+        null = isinstance(node, yaml.ScalarNode) and node.tag == _NULL
+        settings["max_receives"] = (
+            None if null else r.integer(node, f"{what}: max_receives", minimum=1)
+        )
+    refs: list[Ref] = []
+    if "dead_letter_queue" in e:
+        dlq = r.optional_string(e["dead_letter_queue"], f"{what}: dead_letter_queue")
+        settings["dead_letter_queue"] = dlq
+        if dlq:
+            refs.append(Ref("queues", dlq, _line(e["dead_letter_queue"]), "dead_letter_queue"))
+    return QueueDecl(name, line, settings, tuple(refs))
+
+
+def _seconds(r: _Reader, node: yaml.Node, what: str) -> float | None:
+    """A number of seconds >= 0 (or null: off)."""
+    if isinstance(node, yaml.ScalarNode) and node.tag == _NULL:
+        return None
+    value = r.loader.construct_object(node) if isinstance(node, yaml.ScalarNode) else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        r.problem(node, f"{what} must be a number of seconds >= 0, not {_describe(node)}")
+        return None
+    return float(value)
 
 
 def _service(r: _Reader, what: str, name: str, line: int, e: dict[str, yaml.Node]) -> ServiceDecl:
