@@ -425,5 +425,22 @@ class Broker(BrokerContext):
         """The most recent things the broker did on its own, newest first."""
         return observation.events(self, limit)
 
+    def peek(
+        self,
+        queue: str,
+        *,
+        top: int = 20,
+        conversation_handle: uuid.UUID | str | None = None,
+        offset: int = 0,
+    ) -> list[Message]:
+        """The messages waiting in ``queue``, without receiving or locking anything: ``top``
+        of them from ``offset`` on, in the order RECEIVE would take them (priority, then
+        arrival; one conversation's in sequence order). Each ``receive_count`` is how many
+        times the message has been handed out so far (0 if never). See
+        :func:`airflow_broker.operations.observation.peek`."""
+        return observation.peek(
+            self, queue, top=top, conversation_handle=conversation_handle, offset=offset
+        )
+
 
 __all__ = ["Broker", "Definitions", "DueReport", "Resolver", "Transaction", "migrate_on"]

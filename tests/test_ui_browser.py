@@ -5,7 +5,9 @@ An admin logs in through Airflow's own login page, opens "Service Broker" from t
 navigation (the plugin's external view, shown in Airflow's frame), sees the queue this test
 filled with its depth, watches it turn disabled when five rolled-back receives poison it (done
 here through the engine, as a failing reader would), clicks Re-enable, and the engine says the
-queue is enabled again. A viewer sees the same page but is refused (403) when acting.
+queue is enabled again. A viewer sees the same page but is refused (403) when acting, and opens
+the queue's messages: a peek shows each waiting message's body preview, and the queue's
+dead-lettering and disabling events are listed beside them.
 Screenshots go to ``tmp_path/screenshots`` (kept by pytest, named in the assertion messages).
 
 Playwright's own browser download is not used (it needs a host these machines do not reach):
@@ -28,6 +30,7 @@ from support.airflow_stack import AirflowStack, airflow_stack
 
 from airflow_broker import Broker
 from airflow_broker.constants import POISON_THRESHOLD
+from airflow_broker.messaging.events import record_event
 
 pytestmark = pytest.mark.xdist_group("airflow_e2e")
 
@@ -113,6 +116,7 @@ def test_the_broker_page_in_the_airflow_ui(tmp_path: Path, browser: Browser) -> 
             base = f"http://127.0.0.1:{af.port}"
             passwords = wait_until_serving(af, base)
             run_the_page(af, browser, broker, base, passwords, shots)
+            see_the_queue_messages(browser, broker, base, passwords, shots)
     finally:
         broker.dispose()
 
@@ -216,3 +220,48 @@ def run_the_page(
         vpage.screenshot(path=refused_shot)
     assert not enabled(broker, SUPPLIER_QUEUE), f"a viewer re-enabled it; see {refused_shot}"
     viewer.close()
+
+
+def see_the_queue_messages(
+    browser: Browser, broker: Broker, base: str, passwords: dict[str, str], shots: Path
+) -> None:
+    """A viewer opens a queue's messages: the notes still waiting (poisoning rolled back every
+    receive), each with its body preview, and the queue's dead-lettering and disabling events;
+    a click on a conversation shows that conversation's messages only."""
+    with broker.engine.begin() as conn:
+        record_event(conn, "dead_lettered", SUPPLIER_QUEUE, "1 message moved to dead_letters")
+    waiting = broker.peek(SUPPLIER_QUEUE)
+    assert len(waiting) == DEPTH
+    context = browser.new_context(viewport={"width": 1440, "height": 1000})
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+    page.on("console", lambda m: on_console(m, problems))
+    shot = shots / "5-queue-messages.png"
+    with screenshot_on_failure(page, shot):
+        log_in(page, base, "viewer", passwords["viewer"])
+        page.goto(f"{base}/broker/ui/")
+        row = page.locator(f'#queues-table tr[data-queue="{SUPPLIER_QUEUE}"]')
+        row.get_by_role("button", name="Messages").click()
+        expect(page.locator("#messages-queue")).to_have_value(SUPPLIER_QUEUE)
+        rows = page.locator("#messages-table tbody tr[data-message]")
+        expect(rows).to_have_count(DEPTH, timeout=SEEN)
+        for n, message in enumerate(waiting):
+            cells = rows.nth(n)
+            expect(cells.locator("td.body-preview")).to_have_text(message.text() or "")
+            expect(cells.locator("td.receives")).to_have_text(str(message.receive_count))
+        expect(page.locator("#messages-summary")).to_contain_text(f"{DEPTH} waiting")
+        events = page.locator("#queue-events-table")
+        expect(events).to_contain_text("dead_lettered", timeout=SEEN)
+        expect(events).to_contain_text("1 message moved to dead_letters")
+        expect(events).to_contain_text("queue_disabled")
+        page.screenshot(path=shot, full_page=True)
+
+        rows.nth(1).locator("button.handle").click()
+        expect(rows).to_have_count(1, timeout=SEEN)
+        expect(rows.first.locator("td.body-preview")).to_have_text(waiting[1].text() or "")
+        page.locator("#messages-filter button").click()
+        expect(rows).to_have_count(DEPTH, timeout=SEEN)
+    assert problems == [], f"{problems}; screenshot: {shot}"
+    assert broker.peek(SUPPLIER_QUEUE) == waiting, "looking at the messages changed them"
+    context.close()

@@ -9,9 +9,12 @@ Observation
     written by :mod:`airflow_broker.operations.sampling`), :func:`services`, :func:`contracts`,
     :func:`conversation_states`, :func:`conversations` / :func:`conversation`,
     :func:`transmission_queue`, :func:`routes`, :func:`routing_services`,
-    :func:`routing_mappings`, :func:`events`. Lists that grow with traffic (conversations, the
-    transmission queue, routing mappings, events) are pages (:class:`Page`): ``limit`` (at most
-    :data:`MAX_LIMIT`) and ``offset``, counted and read by the database, never loaded whole.
+    :func:`routing_mappings`, :func:`events`, a queue's :func:`waiting_messages` (a peek: nothing
+    received or locked, each body previewed by :func:`body_preview`) and its failure-handling
+    :func:`queue_events` (dead-lettered, disabled, re-enabled). Lists that grow with traffic
+    (conversations, the transmission queue, routing mappings, events, waiting messages) are
+    pages (:class:`Page`): ``limit`` (at most :data:`MAX_LIMIT`) and ``offset``, counted and read
+    by the database, never loaded whole.
     Lists of declared objects (queues, services, contracts, routes) are small by nature and are
     returned whole, each with its aggregates computed by one grouped statement, not per row.
 
@@ -24,7 +27,8 @@ Actions
     it changes anything, and records an ``operator_action`` event naming who did it.
 
 Modules by subject: :mod:`.models` (the dataclasses, pages, :func:`to_json`), :mod:`.overview`,
-:mod:`.queues`, :mod:`.conversations`, :mod:`.transmission`, :mod:`.actions`, :mod:`.probes`.
+:mod:`.queues`, :mod:`.messages` (a queue's waiting messages and events), :mod:`.conversations`,
+:mod:`.transmission`, :mod:`.actions`, :mod:`.probes`.
 
 Errors are the engine's: :class:`~airflow_broker.errors.UnknownObject` for a queue, conversation
 or probe that does not exist, :class:`~airflow_broker.errors.InvalidDefinition` for malformed
@@ -44,6 +48,19 @@ from airflow_broker.operations.monitoring.conversations import (
     conversation,
     conversation_states,
     conversations,
+)
+from airflow_broker.operations.monitoring.messages import (
+    DEAD_LETTERED,
+    MAX_PREVIEW_CHARS,
+    PREVIEW_CHARS,
+    QUEUE_ENABLED,
+    QUEUE_EVENT_KINDS,
+    BodyPreview,
+    WaitingMessage,
+    WaitingPage,
+    body_preview,
+    queue_events,
+    waiting_messages,
 )
 from airflow_broker.operations.monitoring.models import (
     DEFAULT_LIMIT,
@@ -95,16 +112,22 @@ from airflow_broker.operations.monitoring.transmission import (
 )
 
 __all__ = [
+    "DEAD_LETTERED",
     "DEFAULT_LIMIT",
     "MAX_LIMIT",
     "MAX_OFFSET",
+    "MAX_PREVIEW_CHARS",
     "MAX_PROBE_TIMEOUT",
     "OPERATOR_ACTION",
+    "PREVIEW_CHARS",
     "PROBE_ID",
     "QUEUE_DISABLED",
+    "QUEUE_ENABLED",
     "QUEUE_EVENTS_SHOWN",
+    "QUEUE_EVENT_KINDS",
     "QUEUE_READERS_SHOWN",
     "ActionResult",
+    "BodyPreview",
     "ContractInfo",
     "ConversationInfo",
     "DepthHistory",
@@ -123,7 +146,10 @@ __all__ = [
     "StateCount",
     "TransmissionInfo",
     "TransmissionPage",
+    "WaitingMessage",
+    "WaitingPage",
     "WaitingSummary",
+    "body_preview",
     "check_page",
     "contracts",
     "conversation",
@@ -137,6 +163,7 @@ __all__ = [
     "probe",
     "queue",
     "queue_depth_history",
+    "queue_events",
     "queues",
     "retry_transmission",
     "routes",
@@ -146,4 +173,5 @@ __all__ = [
     "start_probe",
     "to_json",
     "transmission_queue",
+    "waiting_messages",
 ]

@@ -12,6 +12,10 @@ Reading (GET)::
     /api/overview                      identity, settings, counts
     /api/queues                        depth, oldest message, readers, status, poison events
     /api/queues/{queue}                one queue, its recent readers and poison events
+    /api/queues/{queue}/messages       paged peek: the messages waiting, in RECEIVE's order, each
+                                       with a body preview, age and receive count (nothing is
+                                       received or locked); ?conversation_handle= &preview=200
+    /api/queues/{queue}/events         paged, newest first: dead-lettered, disabled, re-enabled
     /api/queues/{queue}/depth-history  the queue's depth samples, oldest first; ?minutes=60
                                        (1..10080)
     /api/services                      services: queue, contracts, conversations
@@ -258,6 +262,45 @@ def create_app(*, broker_conn_id: str = DEFAULT_CONN_ID, broker: Broker | None =
             "minutes": history.minutes,
             "samples": [{"at": _json(p.at), "depth": p.depth} for p in history.samples],
         }
+
+    @api.get(
+        "/queues/{queue:path}/messages",
+        summary="Peek: the messages waiting in a queue, in the order RECEIVE would take them",
+    )
+    def queue_messages(
+        broker: BrokerDep,
+        queue: QueueName,
+        conversation_handle: uuid.UUID | None = None,
+        preview: Annotated[
+            int,
+            Query(
+                ge=1,
+                le=mon.MAX_PREVIEW_CHARS,
+                description=f"body characters shown (1..{mon.MAX_PREVIEW_CHARS})",
+            ),
+        ] = mon.PREVIEW_CHARS,
+        limit: Limit = mon.DEFAULT_LIMIT,
+        offset: Offset = 0,
+    ) -> Any:
+        waiting = mon.waiting_messages(
+            broker,
+            queue,
+            conversation_handle=conversation_handle,
+            limit=limit,
+            offset=offset,
+            preview_chars=preview,
+        )
+        fields = _json(waiting)
+        return {**fields.pop("page"), **fields}
+
+    @api.get(
+        "/queues/{queue:path}/events",
+        summary="A queue's dead-lettering, disabling and re-enabling events, newest first",
+    )
+    def queue_events(
+        broker: BrokerDep, queue: QueueName, limit: Limit = mon.DEFAULT_LIMIT, offset: Offset = 0
+    ) -> Any:
+        return _json(mon.queue_events(broker, queue, limit=limit, offset=offset))
 
     @api.get("/queues/{queue:path}", summary="One queue, its readers and poison events")
     def queue(broker: BrokerDep, queue: QueueName) -> Any:

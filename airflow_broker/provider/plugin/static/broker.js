@@ -18,6 +18,8 @@
     transmission: { offset: 0 },
     mappings: { offset: 0 },
     events: { offset: 0 },
+    messages: { queue: "", conversation: "", offset: 0 }, // the queue whose messages are peeked
+    queueEvents: { offset: 0 },
     depthQueue: "",
     instance: null, // this broker's instance id (from the overview)
     queues: [],
@@ -371,6 +373,13 @@
               }, "Re-enable")
             : null,
           h("button", {
+            type: "button", "data-action": "messages",
+            onclick: () => {
+              selectMessagesQueue(q.name);
+              $("#queue").scrollIntoView({ behavior: "smooth" });
+            },
+          }, "Messages"),
+          h("button", {
             type: "button",
             onclick: () => {
               selectDepthQueue(q.name);
@@ -381,6 +390,12 @@
     });
     fill($("#queues-table tbody"), rows, 9, "No queues.");
     syncSelect($("#depth-queue"), queues.map((q) => q.name), null);
+    syncSelect($("#messages-queue"), queues.map((q) => q.name), null);
+    if (!queues.some((q) => q.name === view.messages.queue)) {
+      // None chosen yet, or the chosen one was dropped: the deepest queue.
+      const deepest = [...queues].sort((a, b) => b.depth - a.depth)[0];
+      selectMessagesQueue(deepest ? deepest.name : "");
+    }
     syncSelect($("#conversation-queue"), queues.map((q) => q.name), "all queues");
     if (!view.depthQueue && queues.length) {
       const deepest = [...queues].sort((a, b) => b.depth - a.depth)[0];
@@ -433,6 +448,103 @@
         );
       }
     );
+  }
+
+  // -- a queue's waiting messages (peek) and its failure-handling events -------------------------
+
+  const NO_ROWS = { items: [], total: 0, limit: PAGE_SIZE, offset: 0, next_offset: null };
+
+  function selectMessagesQueue(name) {
+    const m = view.messages;
+    if (m.queue !== name) {
+      m.queue = name;
+      m.conversation = "";
+      m.offset = 0;
+      view.queueEvents.offset = 0;
+    }
+    $("#messages-queue").value = name;
+    view.last.delete("messages");
+    view.last.delete("queue-events");
+    refresh(true);
+  }
+
+  function filterConversation(handle) {
+    view.messages.conversation = handle;
+    view.messages.offset = 0;
+    view.last.delete("messages");
+    refresh(true);
+  }
+
+  function loadMessages() {
+    const m = view.messages;
+    if (!m.queue) return Promise.resolve({ ...NO_ROWS, queue: "", enabled: true, retention: false, retained: 0 });
+    return page(`queues/${enc(m.queue)}/messages`, m, { conversation_handle: m.conversation });
+  }
+
+  function loadQueueEvents() {
+    const name = view.messages.queue;
+    return name ? page(`queues/${enc(name)}/events`, view.queueEvents) : Promise.resolve(NO_ROWS);
+  }
+
+  /** A body preview: UTF-8 text, or the base64 of a binary body's first bytes. */
+  function bodyPreview(b) {
+    if (!b || b.encoding === null) return h("span", { class: "muted" }, "no body");
+    const size = `${b.size} byte${b.size === 1 ? "" : "s"}`;
+    const more = b.truncated ? h("span", { class: "muted" }, `… (${size})`) : null;
+    if (b.encoding === "base64") {
+      return [badge("binary", "muted"), " ", h("code", { title: `${size}; base64 of its first bytes` }, b.text), more];
+    }
+    return [h("code", { title: size }, b.text), more];
+  }
+
+  function deadLetterCell(d) {
+    if (!d) return h("span", { class: "muted" }, "—");
+    return h("span", { title: d.reason }, d.queue,
+      h("div", { class: "muted small" }, `after ${d.receive_count} receive(s) · `, shortId(d.conversation_handle)));
+  }
+
+  function renderMessages(data) {
+    const m = view.messages;
+    const notes = [`${data.total} waiting`];
+    if (data.retention) notes.push(`retention on: ${data.retained} received or sent message(s) kept, not listed`);
+    if (!data.enabled) notes.push("queue DISABLED: RECEIVE refuses it");
+    $("#messages-summary").textContent = m.queue ? notes.join(" · ") : "";
+    $("#messages-filter").replaceChildren(
+      m.conversation
+        ? h("button", { type: "button", class: "chip active", title: "show the whole queue", onclick: () => filterConversation("") },
+            "conversation ", String(m.conversation).slice(0, 8), " ×")
+        : ""
+    );
+    const rows = data.items.map((w) =>
+      h("tr", { "data-message": w.queuing_order },
+        h("td", { class: "num" }, w.message_sequence_number),
+        h("td", null,
+          h("button", {
+            type: "button", class: "handle", title: `only conversation ${w.conversation_handle}`,
+            onclick: () => filterConversation(w.conversation_handle),
+          }, String(w.conversation_handle).slice(0, 8)),
+          h("div", { class: "muted small", title: `conversation group ${w.conversation_group_id}` },
+            "group ", String(w.conversation_group_id).slice(0, 8))),
+        h("td", null, w.message_type_name),
+        h("td", { class: "body-preview" }, bodyPreview(w.body_preview)),
+        h("td", { title: w.enqueued_at || "" }, age(w.age_seconds)),
+        h("td", { class: `num receives ${w.receive_count ? "warn-text" : ""}` }, w.receive_count),
+        h("td", { class: "num" }, w.priority),
+        h("td", null, deadLetterCell(w.dead_letter)))
+    );
+    fill($("#messages-table tbody"), rows, 8, m.queue ? `No messages waiting in ${m.queue}.` : "No queue selected.");
+    pager("messages", data, m);
+  }
+
+  function renderQueueEvents(data) {
+    const rows = data.items.map((e) =>
+      h("tr", { class: BAD_EVENT.test(e.event) ? "bad-event" : "", "data-event": e.event },
+        h("td", null, when(e.occurred_at)),
+        h("td", null, badge(e.event, BAD_EVENT.test(e.event) ? "bad" : "info")),
+        h("td", { class: "detail" }, e.detail))
+    );
+    fill($("#queue-events-table tbody"), rows, 3, "No messages dead-lettered from this queue; never disabled.");
+    pager("queue-events", data, view.queueEvents);
   }
 
   /** A round step for about four gridlines up to ``value`` (1, 2 or 5 times a power of ten). */
@@ -649,7 +761,7 @@
     pager("mappings", data, view.mappings);
   }
 
-  const BAD_EVENT = /disabled|error|fail|poison|drop|expired/i;
+  const BAD_EVENT = /disabled|error|fail|poison|drop|expired|dead/i;
 
   function renderEvents(data) {
     const rows = data.items.map((e) =>
@@ -743,6 +855,8 @@
       load("routing-services", () => api("routing-services"), renderRoutingServices),
       load("mappings", () => page("routing-mappings", view.mappings), renderMappings),
       load("events", () => page("events", view.events), renderEvents),
+      load("messages", loadMessages, renderMessages),
+      load("queue-events", loadQueueEvents, renderQueueEvents),
     ]);
     await loadDepth();
     $("#updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
@@ -754,6 +868,7 @@
       refresh(true);
     });
     $("#depth-queue").addEventListener("change", (ev) => selectDepthQueue(ev.target.value));
+    $("#messages-queue").addEventListener("change", (ev) => selectMessagesQueue(ev.target.value));
     $("#conversation-queue").addEventListener("change", (ev) => {
       view.conversations.queue = ev.target.value;
       view.conversations.offset = 0;
