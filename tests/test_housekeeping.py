@@ -150,6 +150,11 @@ def test_cli_purge(broker_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "events: 0, depth samples: 0, closed endpoints: 0" in out
     assert main(["--url", broker_url, "purge", "--events-days", "0", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"events": 2, "samples": 0, "endpoints": 0}
+    assert json.loads(capsys.readouterr().out) == {
+        "events": 2,
+        "samples": 0,
+        "endpoints": 0,
+        "dedupe_keys": 0,
+    }
     assert main(["--url", broker_url, "purge", "--events-days", "-1"]) == 2
     assert "must be >= 0" in capsys.readouterr().err

@@ -50,7 +50,7 @@ def cmd_purge(args: argparse.Namespace, out: TextIO) -> int:
     print(f"broker database: {shown_url(url)} ({source})", file=out)
     print(
         f"events: {report.events}, depth samples: {report.samples}, "
-        f"closed endpoints: {report.endpoints}",
+        f"closed endpoints: {report.endpoints}, dedupe keys: {report.dedupe_keys}",
         file=out,
     )
     return EXIT_OK

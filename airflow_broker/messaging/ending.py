@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from datetime import datetime
 from typing import Any
 
@@ -20,7 +21,9 @@ from airflow_broker.constants import (
 from airflow_broker.errors import (
     ConversationEnded,
     InvalidDefinition,
+    UnknownObject,
 )
+from airflow_broker.messaging import dedupe
 from airflow_broker.messaging.arguments import Handle, as_uuid
 from airflow_broker.messaging.delivery import Delivery
 from airflow_broker.messaging.objects import (
@@ -43,8 +46,17 @@ class Ending(TransactionCore):
         error_code: int | None = None,
         error_description: str | None = None,
         cleanup: bool = False,
+        *,
+        dedupe_key: str | None = None,
     ) -> None:
-        """END CONVERSATION (plain, WITH ERROR, or WITH CLEANUP)."""
+        """END CONVERSATION (plain, WITH ERROR, or WITH CLEANUP).
+
+        With ``dedupe_key`` (a string of at most 512 characters), idempotent: when an END of
+        this conversation with this key committed before (or ran earlier in this transaction),
+        nothing happens, not even the error that the conversation has ended already or (after
+        WITH CLEANUP, until housekeeping forgets the key) that it does not exist."""
+        if dedupe_key is not None:
+            dedupe.check_key(dedupe_key)
         h = as_uuid(handle, "conversation handle")
         if error_code is not None and cleanup:
             raise InvalidDefinition("END CONVERSATION takes WITH ERROR or WITH CLEANUP, not both")
@@ -53,19 +65,60 @@ class Ending(TransactionCore):
                 raise InvalidDefinition(f"error_code must be an integer, not {error_code!r}")
             if not isinstance(error_description, str) or not error_description:
                 raise InvalidDefinition("END CONVERSATION WITH ERROR needs an error_description")
-        if self.broker.dialect == "postgresql":
-            # The lock order: the group (rule 0), then the endpoint FOR UPDATE (rule 3), which
-            # waits for every writer into its queue (they hold KEY SHARE): the messages they
-            # committed are then seen, and removed with the endpoint or with this side's END.
-            self._lock_groups_of(h)
-            self._execute(
-                select(s.conversation_endpoint.c.conversation_handle)
-                .where(s.conversation_endpoint.c.conversation_handle == h)
-                .with_for_update()
-            )
-        row = self._endpoint_row(h)
-        e = s.conversation_endpoint
+        scope = dedupe.conversation_scope(h)
+        try:
+            if self.broker.dialect == "postgresql":
+                # The lock order: the group (rule 0), then the endpoint FOR UPDATE (rule 3),
+                # which waits for every writer into its queue (they hold KEY SHARE): the
+                # messages they committed are then seen, and removed with the endpoint or with
+                # this side's END.
+                self._lock_groups_of(h)
+                self._execute(
+                    select(s.conversation_endpoint.c.conversation_handle)
+                    .where(s.conversation_endpoint.c.conversation_handle == h)
+                    .with_for_update()
+                )
+            row = self._endpoint_row(h)
+        except UnknownObject:
+            if dedupe_key is not None and dedupe.recorded(self.connection, scope, dedupe_key):
+                return  # ended WITH CLEANUP with this key before
+            raise
         now = utcnow()
+        if dedupe_key is None:
+            self._end_locked(h, row, error_code, error_description, cleanup, now)
+            return
+        if not dedupe.claim(self.connection, self.broker.dialect, dedupe_key, [(scope, h)], now):
+            return
+        self._dirty = True
+        try:
+            self._end_locked(h, row, error_code, error_description, cleanup, now)
+        except Exception:
+            self._give_back(dedupe_key, [scope])
+            raise
+
+    def _give_back(self, key: str, scopes: list[str]) -> None:
+        """A verb failed after claiming its dedupe key in ``scopes``: give the key back, so that
+        a caller who commits anyway does not record a verb that did not happen (and when that
+        cannot be done, the transaction must roll back)."""
+        try:
+            dedupe.release(self.connection, key, scopes)
+        except Exception as exc:
+            self._doomed = self._doomed or (
+                f"dedupe key {key!r} could not be given back after its verb failed ({exc}); "
+                "this transaction must roll back"
+            )
+
+    def _end_locked(
+        self,
+        h: uuid.UUID,
+        row: Any,
+        error_code: int | None,
+        error_description: str | None,
+        cleanup: bool,
+        now: datetime,
+    ) -> None:
+        """END CONVERSATION of ``h`` (its endpoint ``row``, locked on PostgreSQL)."""
+        e = s.conversation_endpoint
         self._dirty = True
         if cleanup:
             self._execute(delete(s.message).where(s.message.c.conversation_handle == h))

@@ -36,6 +36,7 @@ from airflow_broker.errors import (
     MessageValidationError,
     UnknownObject,
 )
+from airflow_broker.messaging import dedupe
 from airflow_broker.messaging.arguments import Handle, as_name, as_uuid
 from airflow_broker.messaging.delivery import Delivery
 from airflow_broker.messaging.ending import Ending
@@ -89,11 +90,20 @@ class Transaction(Receiving, Ending):
         lifetime_seconds: int | None = None,
         related_conversation: Handle | None = None,
         related_conversation_group: Handle | None = None,
+        *,
+        dedupe_key: str | None = None,
     ) -> uuid.UUID:
         """BEGIN DIALOG CONVERSATION from a local service; returns the conversation handle.
 
         The target need not be reachable yet: the first SEND waits in the transmission queue
-        until a route reaches ``to_service``."""
+        until a route reaches ``to_service``.
+
+        With ``dedupe_key`` (a string of at most 512 characters), idempotent per initiating
+        service: when a BEGIN DIALOG from ``from_service`` with this key committed before (or
+        ran earlier in this transaction), nothing is begun and the handle it returned is
+        returned again, whatever the other arguments say."""
+        if dedupe_key is not None:
+            dedupe.check_key(dedupe_key)
         as_name(to_service, "target service")
         if related_conversation is not None and related_conversation_group is not None:
             raise InvalidDefinition(
@@ -153,6 +163,10 @@ class Transaction(Receiving, Ending):
             group = uuid.uuid4()
         now = utcnow()
         handle = uuid.uuid4()
+        if dedupe_key is not None:
+            first = self._claim_begin(from_service, dedupe_key, handle, now)
+            if first is not None:
+                return first
         self._dirty = True
         if new_group:
             self._execute(
@@ -186,12 +200,39 @@ class Transaction(Receiving, Ending):
             self.broker.note_due(now + timedelta(seconds=lifetime_seconds))
         return handle
 
+    def _claim_begin(
+        self, from_service: str, key: str, handle: uuid.UUID, now: datetime
+    ) -> uuid.UUID | None:
+        """Claim a BEGIN DIALOG's dedupe key for ``handle``: None when claimed (begin the
+        dialog), else the handle recorded with the key by the BEGIN that claimed it first."""
+        scope = dedupe.service_scope(from_service)
+        for _ in range(3):
+            if dedupe.claim(self.connection, self.broker.dialect, key, [(scope, handle)], now):
+                self._dirty = True
+                return None
+            first = dedupe.recorded(self.connection, scope, key)
+            if first is not None:
+                return first
+            # Housekeeping removed the key between the two statements: claim it again.
+        raise BrokerError(f"dedupe key {key!r} of service {from_service!r} kept changing")
+
     # -- SEND ----------------------------------------------------------------------------------
     def send(
-        self, handles: Handle | Sequence[Handle], message_type: str = DEFAULT, body: Any = None
+        self,
+        handles: Handle | Sequence[Handle],
+        message_type: str = DEFAULT,
+        body: Any = None,
+        *,
+        dedupe_key: str | None = None,
     ) -> None:
         """SEND ON CONVERSATION one message on one or several conversations, atomically: either
-        every conversation gets it or (on any error) none does."""
+        every conversation gets it or (on any error) none does.
+
+        With ``dedupe_key`` (a string of at most 512 characters), idempotent per conversation:
+        a conversation on which a SEND with this key committed before (or ran earlier in this
+        transaction) is skipped, the others get the message."""
+        if dedupe_key is not None:
+            dedupe.check_key(dedupe_key)
         if isinstance(handles, uuid.UUID | str):
             handle_list = [as_uuid(handles, "conversation handle")]
         else:
@@ -206,8 +247,14 @@ class Transaction(Receiving, Ending):
             )
         payload = encode_body(body)
         now = utcnow()
-        rest = self._send_fast(handle_list, message_type, payload, now)
+        claimed: list[str] = []
+        if dedupe_key is not None:
+            handle_list, claimed = self._claim_sends(handle_list, dedupe_key, now)
+            if not handle_list:
+                return
+        rest = handle_list
         try:
+            rest = self._send_fast(handle_list, message_type, payload, now)
             if rest:
                 self._send_general(rest, message_type, payload, now)
         except BaseException as exc:
@@ -217,8 +264,33 @@ class Transaction(Receiving, Ending):
                     f"SEND on {len(handle_list)} conversations reached only "
                     f"{len(handle_list) - len(rest)}: {exc}; this transaction must roll back"
                 )
+            if dedupe_key is not None and isinstance(exc, Exception):
+                self._give_back(dedupe_key, claimed)
             raise
         self._sent += len(handle_list)
+
+    def _claim_sends(
+        self, handles: list[uuid.UUID], key: str, now: datetime
+    ) -> tuple[list[uuid.UUID], list[str]]:
+        """Claim a SEND's dedupe key on each conversation: the conversations to send on, and
+        the scopes claimed. On PostgreSQL the senders are locked first, as SEND locks them."""
+        if self.broker.dialect == "postgresql":
+            e = s.conversation_endpoint
+            self._execute(
+                select(e.c.conversation_handle)
+                .where(e.c.conversation_handle.in_(handles))
+                .order_by(e.c.conversation_handle)
+                .with_for_update(key_share=True)  # FOR NO KEY UPDATE, as SEND takes it
+            )
+        scopes = [dedupe.conversation_scope(h) for h in handles]
+        claimed = dedupe.claim(
+            self.connection, self.broker.dialect, key, list(zip(scopes, handles, strict=True)), now
+        )
+        if claimed:
+            self._dirty = True
+        return [h for h, scope in zip(handles, scopes, strict=True) if scope in claimed], [
+            scope for scope in scopes if scope in claimed
+        ]
 
     def _send_general(
         self, handle_list: list[uuid.UUID], message_type: str, payload: bytes | None, now: datetime

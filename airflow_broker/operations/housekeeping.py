@@ -10,6 +10,9 @@ Three things grow without bound unless something removes them:
 - Closed conversation endpoints (state CD): kept :attr:`Retention.closed_endpoints` (default 30
   minutes) so that a late duplicate of their last message is recognised and dropped, as Service
   Broker keeps them; then removed with their conversation groups once those are empty.
+- ``broker_dedupe``: the keys of idempotent SEND, BEGIN DIALOG and END CONVERSATION. A key goes
+  once its conversation's endpoint is gone (purged, or removed WITH CLEANUP) and it is older
+  than the closed endpoints' retention (a retried END WITH CLEANUP still finds it meanwhile).
 
 :func:`purge` removes what is older than the retention, in bounded batches, each DELETE its own
 short transaction (events and samples) or under the lock order (endpoints: ``FOR UPDATE SKIP
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import delete, select
 
 from airflow_broker.errors import InvalidDefinition
+from airflow_broker.messaging import dedupe
 from airflow_broker.messaging.duework import CLOSED_ENDPOINT_RETENTION, DueWork
 from airflow_broker.operations.sampling import DEFAULT_RETENTION as SAMPLE_RETENTION
 from airflow_broker.operations.sampling import delete_old_samples
@@ -75,10 +79,11 @@ class PurgeReport:
     events: int = 0
     samples: int = 0
     endpoints: int = 0
+    dedupe_keys: int = 0
 
     @property
     def total(self) -> int:
-        return self.events + self.samples + self.endpoints
+        return self.events + self.samples + self.endpoints + self.dedupe_keys
 
 
 def _delete_old_events(
@@ -111,6 +116,11 @@ def _purge_closed_endpoints(
     return purged
 
 
+def _purge_dedupe_keys(broker: BrokerContext, created_before: datetime) -> int:
+    with broker.engine.begin() as conn:
+        return dedupe.delete_orphans(conn, created_before)
+
+
 def purge(
     broker: BrokerContext,
     retention: Retention | None = None,
@@ -138,13 +148,16 @@ def purge(
         endpoints=_purge_closed_endpoints(
             broker, now, retention.closed_endpoints, max_batches=max_batches
         ),
+        # After the endpoints: the keys of those just purged go in the same pass.
+        dedupe_keys=_purge_dedupe_keys(broker, now - retention.closed_endpoints),
     )
     if report.total:
         log.info(
-            "purged %d events, %d depth samples and %d closed endpoints",
+            "purged %d events, %d depth samples, %d closed endpoints and %d dedupe keys",
             report.events,
             report.samples,
             report.endpoints,
+            report.dedupe_keys,
         )
     return report
 
