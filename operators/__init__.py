@@ -3,6 +3,8 @@
 - :mod:`.dialog`: ``BeginDialogOperator``, ``SendOperator``, ``ReceiveOperator``,
   ``EndConversationOperator`` (and their base, ``BrokerOperator``);
 - :mod:`.declarations`: ``ApplyDeclarationsOperator`` (the ``airflow-broker apply`` YAML);
+- :mod:`.lease`: ``CompleteLeaseOperator``, ``ReleaseLeaseOperator`` (what
+  ``ReceiveOperator(lease_seconds=...)`` leased, for handlers that run for minutes);
 - :mod:`.reader`: ``DrainQueueOperator`` (an activated reader: registers, drains, exits);
 - :mod:`.spark`: ``SparkRoutingOperator`` (the Spark routing job through spark-submit);
 - :mod:`.transmit`: ``TransmitOperator`` (a transmitter run: delivers until nothing is due);
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
         ReceiveOperator,
         SendOperator,
     )
+    from airflow_broker.operators.lease import CompleteLeaseOperator, ReleaseLeaseOperator
     from airflow_broker.operators.reader import DrainQueueOperator
     from airflow_broker.operators.routing_service import RoutingServiceOperator
     from airflow_broker.operators.spark import SparkRoutingOperator
@@ -34,9 +37,11 @@ _MODULES = {
     "ApplyDeclarationsOperator": "declarations",
     "BeginDialogOperator": "dialog",
     "BrokerOperator": "dialog",
+    "CompleteLeaseOperator": "lease",
     "DrainQueueOperator": "reader",
     "EndConversationOperator": "dialog",
     "ReceiveOperator": "dialog",
+    "ReleaseLeaseOperator": "lease",
     "RoutingServiceOperator": "routing_service",
     "SendOperator": "dialog",
     "SparkRoutingOperator": "spark",
@@ -47,9 +52,11 @@ __all__ = [
     "ApplyDeclarationsOperator",
     "BeginDialogOperator",
     "BrokerOperator",
+    "CompleteLeaseOperator",
     "DrainQueueOperator",
     "EndConversationOperator",
     "ReceiveOperator",
+    "ReleaseLeaseOperator",
     "RoutingServiceOperator",
     "SendOperator",
     "SparkRoutingOperator",

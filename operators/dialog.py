@@ -9,6 +9,11 @@ JSON value (a dict or list is rendered field by field, then sent as JSON); it ma
 another task, as a template (``"{{ ti.xcom_pull(task_ids='quote') }}"``) or natively
 (``body=quote.output``). A handle list may come natively from XCom or as a rendered list literal.
 
+A retried task does not BEGIN, SEND or END twice: ``BeginDialogOperator``, ``SendOperator`` and
+``EndConversationOperator`` pass a dedupe key (by default the task instance's identity,
+``dag_id/run_id/task_id/map_index``, the same for every try), so a try that committed and then
+failed (the worker died, a later step raised) leaves the retry nothing to do.
+
 RECEIVE in a task commits before the messages reach the next task: the messages are then out
 of the broker and in XCom. When the work done with a message must commit together with its
 removal from the queue, do it in the same transaction (``DrainQueueOperator``'s handler).
@@ -17,6 +22,7 @@ removal from the queue, do it in the same transaction (``DrainQueueOperator``'s 
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import uuid
 from collections.abc import Callable, Sequence
@@ -26,6 +32,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from airflow_broker.constants import DEFAULT
 from airflow_broker.errors import BrokerError, InvalidDefinition
 from airflow_broker.hooks.broker import BrokerHook
+from airflow_broker.messaging.dedupe import MAX_KEY_LENGTH
+from airflow_broker.operators._leasing import check_lease_arguments, take_lease
 from airflow_broker.provider.compat import BaseOperator
 from airflow_broker.provider.xcom import messages_to_dicts
 
@@ -138,6 +146,28 @@ def optional_handle(value: Any, field: str) -> str | None:
     return handles[0]
 
 
+def dedupe_key_for(dedupe: bool, dedupe_key: Any, context: Context) -> str | None:
+    """The dedupe key of a dialog operator: None when ``dedupe`` is off; ``dedupe_key`` when
+    given (a template that rendered nothing counts as not given); else the task instance's
+    identity, ``dag_id/run_id/task_id/map_index`` (no try number: every try shares it; hashed
+    when too long), or None outside a task run (a context without ``ti``)."""
+    if not dedupe:
+        return None
+    if dedupe_key is not None and not (isinstance(dedupe_key, str) and not dedupe_key.strip()):
+        if not isinstance(dedupe_key, str):
+            raise InvalidDefinition(
+                f"dedupe_key must be a string, not {type(dedupe_key).__name__} {dedupe_key!r}"
+            )
+        return dedupe_key
+    ti = context.get("ti")
+    if ti is None:
+        return None
+    key = f"{ti.dag_id}/{ti.run_id}/{ti.task_id}/{getattr(ti, 'map_index', -1)}"
+    if len(key) > MAX_KEY_LENGTH - 16:  # room for SendOperator's "#<i>" of each body
+        key = "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+    return key
+
+
 # --------------------------------------------------------------------------------------------
 # Operators
 
@@ -156,6 +186,9 @@ class BeginDialogOperator(BrokerOperator):
     :param related_conversation: join the group of this conversation (templated).
     :param message_type: send a first message of this type in the same transaction (templated).
     :param body: the first message's body (templated; str, bytes or JSON value).
+    :param dedupe_key: the dedupe key (templated; None or empty: the task instance's identity):
+        a retry returns the first try's handle and sends nothing (:func:`dedupe_key_for`).
+    :param dedupe: ``False``: no key; each try begins a new dialog.
     """
 
     template_fields: Sequence[str] = (
@@ -167,6 +200,7 @@ class BeginDialogOperator(BrokerOperator):
         "related_conversation",
         "message_type",
         "body",
+        "dedupe_key",
     )
     template_fields_renderers = {"body": "json"}
     ui_color = "#e8f1fb"
@@ -183,6 +217,8 @@ class BeginDialogOperator(BrokerOperator):
         related_conversation: str | None = None,
         message_type: str | None = None,
         body: Any = None,
+        dedupe_key: str | None = None,
+        dedupe: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -195,6 +231,8 @@ class BeginDialogOperator(BrokerOperator):
         self.related_conversation = related_conversation
         self.message_type = message_type
         self.body = body
+        self.dedupe_key = dedupe_key
+        self.dedupe = dedupe
 
     def describe(self) -> str:
         first = f", first message {self.message_type!r}" if self.message_type else ""
@@ -204,6 +242,8 @@ class BeginDialogOperator(BrokerOperator):
         )
 
     def execute(self, context: Context) -> str:
+        key = dedupe_key_for(self.dedupe, self.dedupe_key, context)
+
         def begin(tx: Transaction) -> str:
             message_type = optional_name(self.message_type, "message_type")
             if message_type is None and self.body is not None:
@@ -223,9 +263,10 @@ class BeginDialogOperator(BrokerOperator):
                 related_conversation_group=optional_handle(
                     self.related_conversation_group, "related_conversation_group"
                 ),
+                dedupe_key=key,
             )
             if message_type is not None:
-                tx.send(handle, message_type, self.body)
+                tx.send(handle, message_type, self.body, dedupe_key=key)
             return str(handle)
 
         handle = self.in_transaction(begin)
@@ -245,9 +286,19 @@ class SendOperator(BrokerOperator):
     :param body: the body (templated; str, bytes or JSON value).
     :param bodies: instead of ``body``, several bodies, sent in this order on each conversation
         (templated; natively from XCom with ``task.output``).
+    :param dedupe_key: the dedupe key (templated; None or empty: the task instance's identity):
+        a retry skips the conversations the first try sent on (with ``bodies``, body ``i`` is
+        keyed ``<key>#<i>``).
+    :param dedupe: ``False``: no key; each try sends again.
     """
 
-    template_fields: Sequence[str] = ("conversation_handle", "message_type", "body", "bodies")
+    template_fields: Sequence[str] = (
+        "conversation_handle",
+        "message_type",
+        "body",
+        "bodies",
+        "dedupe_key",
+    )
     template_fields_renderers = {"body": "json", "bodies": "json"}
     ui_color = "#e8f1fb"
 
@@ -258,6 +309,8 @@ class SendOperator(BrokerOperator):
         message_type: str = DEFAULT,
         body: Any = None,
         bodies: Sequence[Any] | None = None,
+        dedupe_key: str | None = None,
+        dedupe: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -269,18 +322,23 @@ class SendOperator(BrokerOperator):
         self.message_type = message_type
         self.body = body
         self.bodies = bodies
+        self.dedupe_key = dedupe_key
+        self.dedupe = dedupe
 
     def describe(self) -> str:
         return f"SEND {self.message_type!r} on conversation {self.conversation_handle}"
 
     def execute(self, context: Context) -> int:
+        key = dedupe_key_for(self.dedupe, self.dedupe_key, context)
+
         def send(tx: Transaction) -> tuple[int, int]:
             handles = handle_list(self.conversation_handle, "conversation_handle")
             if not handles:
                 raise InvalidDefinition("conversation_handle is an empty list")
             bodies = self._bodies()
-            for body in bodies:
-                tx.send(handles, self.message_type, body)
+            for i, body in enumerate(bodies):
+                keyed = key if key is None or self.bodies is None else f"{key}#{i}"
+                tx.send(handles, self.message_type, body, dedupe_key=keyed)
             return len(handles) * len(bodies), len(handles)
 
         count, conversations = self.in_transaction(send)
@@ -317,12 +375,22 @@ class ReceiveOperator(BrokerOperator):
     ``body_base64``, ``body_json`` when the body is JSON,
     and ``error``. An empty list when nothing arrived within ``wait_seconds``.
 
+    **With** ``lease_seconds``, the task takes a lease instead (``Broker.lease``): the messages
+    stay in the queue, their conversation group held by the lease (no transaction stays open),
+    until a later task completes it (``CompleteLeaseOperator``, or ``tx.complete(token)`` in the
+    handler's own broker transaction), releases it (``ReleaseLeaseOperator``) or it expires.
+    Returns (XCom) the lease as a dict (:func:`airflow_broker.provider.xcom.lease_to_dict`:
+    ``token``, ``queue``, ``conversation_group_id``, ``expires_at`` and ``messages`` as above),
+    or None (no XCom) when nothing arrived within ``wait_seconds``.
+
     :param queue: the broker queue (templated, as ``queue_name``: ``BaseOperator.queue`` is the
         executor's queue, which this task gets from ``executor_queue``).
     :param top: at most this many messages.
     :param wait_seconds: wait this long for messages (WAITFOR); 0 returns at once.
-    :param conversation_handle: only from this conversation (templated).
+    :param conversation_handle: only from this conversation (templated); not with a lease,
+        which holds a whole conversation group (give ``conversation_group``).
     :param conversation_group: only from this conversation group (templated).
+    :param lease_seconds: lease the messages for this long instead of receiving them.
     :param executor_queue: the executor queue (Celery, ...) to run this task on; what other
         operators take as ``queue``.
     """
@@ -338,23 +406,33 @@ class ReceiveOperator(BrokerOperator):
         wait_seconds: float = 0,
         conversation_handle: str | None = None,
         conversation_group: str | None = None,
+        lease_seconds: float | None = None,
         executor_queue: str | None = None,
         **kwargs: Any,
     ) -> None:
         if executor_queue is not None:
             kwargs["queue"] = executor_queue
         super().__init__(**kwargs)
+        if lease_seconds is not None:
+            check_lease_arguments(self.task_id, lease_seconds, conversation_handle)
         #: The broker queue (``self.queue`` stays the executor's, as on every operator).
         self.queue_name = queue
         self.top = top
         self.wait_seconds = wait_seconds
         self.conversation_handle = conversation_handle
         self.conversation_group = conversation_group
+        self.lease_seconds = lease_seconds
 
     def describe(self) -> str:
+        if self.lease_seconds is not None:
+            return f"RECEIVE from queue {self.queue_name!r} with a lease of {self.lease_seconds} s"
         return f"RECEIVE from queue {self.queue_name!r}"
 
-    def execute(self, context: Context) -> list[dict[str, Any]]:
+    def execute(self, context: Context) -> list[dict[str, Any]] | dict[str, Any] | None:
+        if self.lease_seconds is not None:
+            group = optional_handle(self.conversation_group, "conversation_group")
+            return take_lease(self, self.lease_seconds, group)
+
         def receive(tx: Transaction) -> list[dict[str, Any]]:
             messages = tx.receive(
                 self.queue_name,
@@ -388,9 +466,12 @@ class EndConversationOperator(BrokerOperator):
     :param error_code: end with an Error message of this code (a positive integer).
     :param error_description: the Error message's text (templated).
     :param cleanup: remove the local endpoint and its messages, telling no one.
+    :param dedupe_key: the dedupe key (templated; None or empty: the task instance's identity):
+        a retry leaves the conversations the first try ended as they are, without an error.
+    :param dedupe: ``False``: no key; a retry ends again (and fails: the conversation ended).
     """
 
-    template_fields: Sequence[str] = ("conversation_handle", "error_description")
+    template_fields: Sequence[str] = ("conversation_handle", "error_description", "dedupe_key")
     ui_color = "#fbeaea"
 
     def __init__(
@@ -400,6 +481,8 @@ class EndConversationOperator(BrokerOperator):
         error_code: int | None = None,
         error_description: str | None = None,
         cleanup: bool = False,
+        dedupe_key: str | None = None,
+        dedupe: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -407,6 +490,8 @@ class EndConversationOperator(BrokerOperator):
         self.error_code = error_code
         self.error_description = error_description
         self.cleanup = cleanup
+        self.dedupe_key = dedupe_key
+        self.dedupe = dedupe
 
     def describe(self) -> str:
         how = (
@@ -419,6 +504,8 @@ class EndConversationOperator(BrokerOperator):
         return f"END CONVERSATION {self.conversation_handle}{how}"
 
     def execute(self, context: Context) -> None:
+        key = dedupe_key_for(self.dedupe, self.dedupe_key, context)
+
         def end(tx: Transaction) -> list[str]:
             handles = handle_list(self.conversation_handle, "conversation_handle")
             for handle in handles:
@@ -427,6 +514,7 @@ class EndConversationOperator(BrokerOperator):
                     error_code=self.error_code,
                     error_description=self.error_description,
                     cleanup=self.cleanup,
+                    dedupe_key=key,
                 )
             return handles
 

@@ -458,15 +458,19 @@ def render(op: Any, **context: Any) -> None:
 def test_template_fields_are_declared() -> None:
     assert BeginDialogOperator.template_fields == (
         "from_service", "to_service", "contract", "broker_instance",
-        "related_conversation_group", "related_conversation", "message_type", "body",
+        "related_conversation_group", "related_conversation", "message_type", "body", "dedupe_key",
     )  # fmt: skip
-    assert SendOperator.template_fields == ("conversation_handle", "message_type", "body", "bodies")
+    assert SendOperator.template_fields == (
+        "conversation_handle", "message_type", "body", "bodies", "dedupe_key",
+    )  # fmt: skip
     assert ReceiveOperator.template_fields == (
         "queue_name",
         "conversation_handle",
         "conversation_group",
     )
-    assert EndConversationOperator.template_fields == ("conversation_handle", "error_description")
+    assert EndConversationOperator.template_fields == (
+        "conversation_handle", "error_description", "dedupe_key",
+    )  # fmt: skip
     assert ApplyDeclarationsOperator.template_fields == ("path", "text")
 
 

@@ -4,6 +4,8 @@
   between a buyer and a supplier, with application state keyed by conversation group id and
   idempotent compensating actions.
 - :mod:`airflow_broker.operations.echo`: an echo service that answers liveness probes.
+- :mod:`airflow_broker.examples.long_jobs`: a handler that works for minutes on leased messages
+  and completes the lease with its results and replies, exactly once.
 
 Each module declares its broker objects, creates its application tables in the broker database
 (``setup(broker)``) and provides message handlers with the signature ``handler(tx, messages)``:

@@ -48,6 +48,11 @@ try:
 except ImportError:  # pragma: no cover - Airflow 3.0
     from airflow.exceptions import AirflowNotFoundException  # type: ignore[no-redef,unused-ignore]
 
+try:
+    from airflow.sdk.exceptions import AirflowFailException
+except ImportError:  # pragma: no cover - before the Task SDK had it
+    from airflow.exceptions import AirflowFailException  # type: ignore[no-redef,unused-ignore]
+
 # -- the API server: the plugin's FastAPI app -------------------------------------------------
 # Imported on first use (PEP 562), never by task code: ``airflow.api_fastapi`` pulls in Airflow's
 # ORM models. ``from airflow_broker.provider.compat import get_user`` triggers the import.
@@ -98,6 +103,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AIRFLOW_VERSION",
     "OLDEST_SUPPORTED",
+    "AirflowFailException",
     "AirflowNotFoundException",
     "AirflowPlugin",
     "Asset",

@@ -68,6 +68,7 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": [
                     "airflow_broker.operators.dialog",
                     "airflow_broker.operators.declarations",
+                    "airflow_broker.operators.lease",
                     "airflow_broker.operators.reader",
                     "airflow_broker.operators.routing_service",
                     "airflow_broker.operators.transmit",

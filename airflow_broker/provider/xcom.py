@@ -1,20 +1,27 @@
-"""Received messages as XCom-safe data: plain dicts of str, int and None.
+"""Received messages and leases as XCom-safe data: plain dicts of str, int and None.
 
 Airflow stores a task's return value as JSON (XCom), so :class:`~airflow_broker.Message` (UUIDs,
 bytes) cannot be returned as it is. :func:`message_to_dict` keeps every RECEIVE column and gives
 the body three ways, so that a downstream task can use whichever fits without decoding bytes.
+:func:`lease_to_dict` does the same for a :class:`~airflow_broker.Lease`, and
+:func:`lease_from_xcom` gives the lease (with its messages) back to the task that completes it.
 This module is part of the engine: it imports nothing from Airflow.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import binascii
 import contextlib
 import json
+import uuid
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from typing import Any
 
+from airflow_broker.errors import InvalidDefinition
+from airflow_broker.messaging.leases import Lease
 from airflow_broker.messaging.objects import Message
 
 #: The RECEIVE columns copied as they are (ints and strs).
@@ -36,7 +43,8 @@ def message_to_dict(message: Message) -> dict[str, Any]:
     Keys: the RECEIVE columns (``status``, ``priority``, ``queuing_order``,
     ``conversation_group_id``, ``conversation_handle``, ``message_sequence_number``,
     ``service_name``, ``service_contract_name``, ``message_type_name``, ``validation``), UUIDs as
-    strings; the body as
+    strings; ``receive_count`` (how many times the message has been handed out, this time
+    included); the body as
 
     - ``body_text``: the body decoded as UTF-8, or None (no body, or not UTF-8);
     - ``body_base64``: the exact bytes, base64-encoded, or None for a message without a body;
@@ -48,6 +56,7 @@ def message_to_dict(message: Message) -> dict[str, Any]:
     out: dict[str, Any] = {name: getattr(message, name) for name in PLAIN_COLUMNS}
     out["conversation_group_id"] = str(message.conversation_group_id)
     out["conversation_handle"] = str(message.conversation_handle)
+    out["receive_count"] = message.receive_count
     body = message.message_body
     text: str | None = None
     if body is not None:
@@ -88,4 +97,93 @@ def body_bytes(message: dict[str, Any]) -> bytes | None:
         ) from exc
 
 
-__all__ = ["body_bytes", "message_to_dict", "messages_to_dicts"]
+def message_from_dict(message: dict[str, Any]) -> Message:
+    """The :class:`~airflow_broker.Message` a dict made by :func:`message_to_dict` came from."""
+    try:
+        extra = {k: message[k] for k in ("receive_count",) if k in message}
+        return Message(
+            **{name: message[name] for name in PLAIN_COLUMNS},
+            conversation_group_id=uuid.UUID(str(message["conversation_group_id"])),
+            conversation_handle=uuid.UUID(str(message["conversation_handle"])),
+            message_body=body_bytes(message),
+            **extra,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidDefinition(
+            f"not a received message (a message_to_dict dict): {type(exc).__name__} {exc}"
+        ) from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Leases (``Broker.lease``): what ReceiveOperator(lease_seconds=...) returns
+
+
+def lease_to_dict(lease: Lease) -> dict[str, Any]:
+    """A lease as a JSON-serializable dict: ``token``, ``queue``, ``conversation_group_id``
+    (UUIDs as strings), ``expires_at`` (ISO 8601, UTC) and ``messages`` (each as
+    :func:`message_to_dict` gives it). :func:`lease_from_xcom` reads it back."""
+    expires_at = lease.expires_at
+    if expires_at.tzinfo is None:
+        expires_at = expires_at.replace(tzinfo=UTC)
+    return {
+        "token": str(lease.token),
+        "queue": lease.queue,
+        "conversation_group_id": str(lease.conversation_group_id),
+        "expires_at": expires_at.isoformat(),
+        "messages": messages_to_dicts(lease.messages),
+    }
+
+
+def lease_from_xcom(value: Any, field: str = "lease") -> Lease | None:
+    """The :class:`~airflow_broker.Lease` of a :func:`lease_to_dict` dict, as it comes from XCom:
+    natively (``receive.output``) or rendered by a template as text (the dict's Python literal,
+    or JSON). None, an empty string or an empty dict (no lease: the queue had nothing) give None;
+    anything else that is not a lease raises :class:`~airflow_broker.errors.InvalidDefinition`
+    naming ``field``."""
+    if isinstance(value, Lease):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text in ("", "None", "null"):
+            return None
+        try:
+            value = json.loads(text)
+        except ValueError:
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                raise InvalidDefinition(
+                    f"{field} {text[:80]!r} is not a lease (ReceiveOperator(lease_seconds=...)'s "
+                    "return value)"
+                ) from None
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidDefinition(
+            f"{field} must be a lease (ReceiveOperator(lease_seconds=...)'s return value), "
+            f"not {type(value).__name__} {value!r:.80}"
+        )
+    try:
+        expires_at = datetime.fromisoformat(str(value["expires_at"]))
+        return Lease(
+            token=uuid.UUID(str(value["token"])),
+            queue=str(value["queue"]),
+            messages=[message_from_dict(m) for m in value["messages"]],
+            conversation_group_id=uuid.UUID(str(value["conversation_group_id"])),
+            expires_at=expires_at if expires_at.tzinfo else expires_at.replace(tzinfo=UTC),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidDefinition(
+            f"{field} is not a lease (ReceiveOperator(lease_seconds=...)'s return value): "
+            f"{type(exc).__name__} {exc}"
+        ) from exc
+
+
+__all__ = [
+    "body_bytes",
+    "lease_from_xcom",
+    "lease_to_dict",
+    "message_from_dict",
+    "message_to_dict",
+    "messages_to_dicts",
+]
