@@ -213,6 +213,14 @@ def _dead_reader_lease(pair: Broker) -> None:
         (lease_dir / f"{os.getpid()}-{uuid.uuid4().hex}.lease").write_text(str(queue_id))
 
 
+def _stray_lease_mark(pair: Broker) -> None:
+    send(pair, begin(pair), ORDER, {"order": 1})
+    lease = pair.lease(SUPPLIER_QUEUE, lease_seconds=600)
+    assert lease is not None
+    with unchecked(pair) as conn:
+        conn.execute(text("DELETE FROM broker_lease"))
+
+
 CASES: dict[str, Callable[[Broker], None]] = {
     "message_without_endpoint": _message_without_endpoint,
     "message_misfiled": _message_misfiled,
@@ -224,6 +232,7 @@ CASES: dict[str, Callable[[Broker], None]] = {
     "impossible_state": _impossible_state,
     "transmission_after_end": _transmission_after_end,
     "dead_reader_lease": _dead_reader_lease,
+    "stray_lease_mark": _stray_lease_mark,
 }
 
 

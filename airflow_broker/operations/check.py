@@ -18,7 +18,8 @@ The invariants, and where the engine keeps them:
   DROP SERVICE keeps those until their far side is told) its service, a known state, and
   sequence numbers that never run ahead of what was sent;
 - a conversation that has ended or failed has nothing left to transmit but its closing message;
-- a receive lease without a live reader is counted by the next due-work pass.
+- a receive lease without a live reader is counted by the next due-work pass;
+- a message or group marked by a lease is marked by one that exists.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ KINDS: dict[str, str] = {
     "impossible_state": "an endpoint whose state or sequence numbers cannot occur",
     "transmission_after_end": "a transmission of a conversation that has ended or failed",
     "dead_reader_lease": "a receive lease of a reader that died, not counted yet",
+    "stray_lease_mark": "a message or group marked by a lease that does not exist",
 }
 
 #: The kinds ``repair=True`` fixes, and how; the fix cannot lose a message anyone can receive.
@@ -89,6 +91,7 @@ REPAIRS: dict[str, str] = {
     "endpoint_without_group": "its conversation group is created on the endpoint's queue",
     "transmission_after_end": "deleted: the conversation can send nothing more",
     "dead_reader_lease": "counted as a rolled-back receive by a due-work pass",
+    "stray_lease_mark": "the mark is cleared: the messages are ready again",
 }
 
 
@@ -313,6 +316,27 @@ def _dead_reader_leases(broker: BrokerContext, conn: Connection) -> Found:
         )
 
 
+def _stray_lease_marks(conn: Connection) -> Found:
+    lease = s.lease
+    for table, what in ((_m, "message"), (_g, "conversation group")):
+        key = table.c.queuing_order if table is _m else table.c.conversation_group_id
+        rows = conn.execute(
+            select(key, table.c.lease_token)
+            .where(
+                table.c.lease_token.is_not(None),
+                ~select(lease.c.token).where(lease.c.token == table.c.lease_token).exists(),
+            )
+            .order_by(key)
+        )
+        for r in rows:
+            yield (
+                "stray_lease_mark",
+                f"{what} {r[0]}",
+                f"it is held by lease {_short(r.lease_token)}, which does not exist: nothing "
+                "will ever complete, release or expire it, so RECEIVE never hands it out",
+            )
+
+
 def _checks(broker: BrokerContext) -> list[Callable[[Connection], Found]]:
     return [
         _messages_without_endpoint,
@@ -323,6 +347,7 @@ def _checks(broker: BrokerContext) -> list[Callable[[Connection], Found]]:
         _impossible_states,
         _transmissions_after_end,
         lambda conn: _dead_reader_leases(broker, conn),
+        _stray_lease_marks,
     ]
 
 
@@ -387,6 +412,11 @@ def _repair(conn: Connection) -> None:
         ),
     )
     conn.execute(delete(_t).where(ended.exists()))
+    for table in (_m, _g):
+        stray = ~select(s.lease.c.token).where(s.lease.c.token == table.c.lease_token).exists()
+        conn.execute(
+            update(table).where(table.c.lease_token.is_not(None), stray).values(lease_token=None)
+        )
 
 
 def check(broker: BrokerContext, *, repair: bool = False, record: bool = True) -> list[Problem]:
