@@ -29,6 +29,21 @@ branch_labels = None
 depends_on = None
 
 
+#: The columns this revision adds, in the order it adds them.
+COLUMNS = (
+    ("broker_queue", "retry_delay"),
+    ("broker_queue", "retry_delay_max"),
+    ("broker_queue", "max_receives"),
+    ("broker_queue", "dead_letter_queue"),
+    ("broker_message", "receive_count"),
+    ("broker_message", "lease_token"),
+    ("broker_message", "dead_letter"),
+    ("broker_conversation_group", "held_until"),
+    ("broker_conversation_group", "lease_token"),
+    ("broker_receive_lease", "held"),
+)
+
+
 def upgrade() -> None:
     with op.batch_alter_table("broker_queue") as b:
         b.add_column(sa.Column("retry_delay", sa.Float(), nullable=True))
@@ -76,17 +91,7 @@ def downgrade() -> None:
     op.drop_table("broker_dedupe")
     op.drop_index(op.f("ix_broker_lease_expires_at"), table_name="broker_lease")
     op.drop_table("broker_lease")
-    with op.batch_alter_table("broker_receive_lease") as b:
-        b.drop_column("held")
-    with op.batch_alter_table("broker_conversation_group") as b:
-        b.drop_column("lease_token")
-        b.drop_column("held_until")
-    with op.batch_alter_table("broker_message") as b:
-        b.drop_column("dead_letter")
-        b.drop_column("lease_token")
-        b.drop_column("receive_count")
-    with op.batch_alter_table("broker_queue") as b:
-        b.drop_column("dead_letter_queue")
-        b.drop_column("max_receives")
-        b.drop_column("retry_delay_max")
-        b.drop_column("retry_delay")
+    # Plain ALTER TABLE ... DROP COLUMN (SQLite >= 3.35): a batch "move and copy" would drop
+    # broker_queue, which other tables reference, and fail with foreign keys on.
+    for table, column in COLUMNS[::-1]:
+        op.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
