@@ -132,7 +132,7 @@ def record_failed_attempts(
         q = conn.execute(select(s.queue).where(s.queue.c.queue_id == queue_id)).first()
         if q is None:
             continue
-        rows = _count(conn, queue_id, held, counted=counted)
+        rows = _count(conn, broker.dialect, queue_id, held, counted=counted)
         if q.max_receives is None:
             c, d = record_rollbacks(conn, [queue_id])
             counted_rb, disabled = counted_rb + c, disabled + d
@@ -143,19 +143,27 @@ def record_failed_attempts(
         }
         for handle, count in sorted(poisoned.items(), key=lambda kv: str(kv[0])):
             dead_letter(broker, conn, q, handle, count, now)
-        _hold_groups(
-            conn, q, [r for r in rows if r.conversation_handle not in poisoned], now, delay
-        )
+        rest = [r for r in rows if r.conversation_handle not in poisoned]
+        _hold_groups(conn, broker.dialect, q, rest, now, delay)
     return counted_rb, disabled
 
 
-def _count(conn: Connection, queue_id: int, held: list[int], *, counted: bool) -> list[Any]:
-    """The failed attempt's messages still in the queue, with their receive counts."""
+def _count(
+    conn: Connection, dialect: str, queue_id: int, held: list[int], *, counted: bool
+) -> list[Any]:
+    """The failed attempt's messages still in the queue, with their receive counts.
+
+    On PostgreSQL, messages another reader has taken meanwhile (it locked them: the group was
+    free the moment this attempt failed) are skipped rather than waited for: due work and a
+    rollback never wait for someone else's handler. That reader's own attempt decides."""
     m = s.message
     cols = (m.c.queuing_order, m.c.conversation_handle, m.c.conversation_group_id)
     if not held:
         return []
-    where = (m.c.queue_id == queue_id, m.c.queuing_order.in_(sorted(set(held))))
+    where: tuple[Any, ...] = (m.c.queue_id == queue_id, m.c.queuing_order.in_(sorted(set(held))))
+    if dialect == "postgresql":
+        free = select(m.c.queuing_order).where(*where).with_for_update(skip_locked=True)
+        where = (m.c.queuing_order.in_(free.scalar_subquery()),)
     if counted:
         return list(conn.execute(select(*cols, m.c.receive_count).where(*where)).all())
     return list(
@@ -169,7 +177,7 @@ def _count(conn: Connection, queue_id: int, held: list[int], *, counted: bool) -
 
 
 def _hold_groups(
-    conn: Connection, q: Any, rows: list[Any], now: datetime, delay: float | None
+    conn: Connection, dialect: str, q: Any, rows: list[Any], now: datetime, delay: float | None
 ) -> None:
     worst: dict[uuid.UUID, int] = {}
     for r in rows:
@@ -179,9 +187,15 @@ def _hold_groups(
         seconds = delay if delay is not None else backoff_seconds(q, attempts)
         if not seconds:
             continue
+        target: Any = g.c.conversation_group_id == group
+        if dialect == "postgresql":  # a group another reader holds now is not waited for
+            free = select(g.c.conversation_group_id).where(target)
+            target = g.c.conversation_group_id.in_(
+                free.with_for_update(key_share=True, skip_locked=True).scalar_subquery()
+            )
         conn.execute(
             update(g)
-            .where(g.c.conversation_group_id == group, g.c.lease_token.is_(None))
+            .where(target, g.c.lease_token.is_(None))
             .values(held_until=now + timedelta(seconds=seconds))
         )
         log.info(
@@ -192,6 +206,17 @@ def _hold_groups(
             seconds,
             attempts,
         )
+
+
+def _try_lock_group(conn: Connection, handle: uuid.UUID) -> bool:
+    e, g = s.conversation_endpoint, s.conversation_group
+    group = select(e.c.conversation_group_id).where(e.c.conversation_handle == handle)
+    locked = conn.execute(
+        select(g.c.conversation_group_id)
+        .where(g.c.conversation_group_id == group.scalar_subquery())
+        .with_for_update(key_share=True, skip_locked=True)
+    ).first()
+    return locked is not None
 
 
 def dead_letter(
@@ -216,8 +241,11 @@ def dead_letter(
         f"without being processed (max_receives {q.max_receives})"
     )
     ending = Ending(broker, within=conn)
-    if broker.dialect == "postgresql":
-        ending._lock_groups_of(handle)
+    if broker.dialect == "postgresql" and not _try_lock_group(conn, handle):
+        # Another reader took the group since this attempt failed: its attempt decides (it
+        # sees the count, and dead-letters if it fails too). Never wait for its handler.
+        log.info("queue %r: conversation %s is being received again", q.name, handle)
+        return 0
     messages = conn.execute(
         select(m)
         .where(

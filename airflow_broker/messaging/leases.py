@@ -25,6 +25,7 @@ Lock order (PostgreSQL): a lease's row, then its group, as everywhere else (rule
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -63,7 +64,7 @@ class Lease:
 
 
 def _seconds(value: Any, what: str, *, positive: bool) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, int | float)
+    ok = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
     if not ok or (value <= 0 if positive else value < 0):
         bound = "> 0" if positive else ">= 0"
         raise InvalidDefinition(f"{what} must be a number of seconds {bound}, not {value!r}")
