@@ -21,7 +21,6 @@ removal from the queue, do it in the same transaction (``DrainQueueOperator``'s 
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import uuid
@@ -35,7 +34,7 @@ from airflow_broker.hooks.broker import BrokerHook
 from airflow_broker.messaging.dedupe import MAX_KEY_LENGTH
 from airflow_broker.operators._leasing import check_lease_arguments, take_lease
 from airflow_broker.provider.compat import BaseOperator
-from airflow_broker.provider.xcom import messages_to_dicts
+from airflow_broker.provider.xcom import messages_to_dicts, rendered_literal
 
 if TYPE_CHECKING:
     from airflow_broker.broker import Broker, Transaction
@@ -99,14 +98,11 @@ def handle_list(value: Any, field: str) -> list[str]:
     if isinstance(value, str) and value.strip().startswith("["):
         text = value.strip()
         try:
-            value = json.loads(text)
+            value = rendered_literal(text)
         except ValueError:
-            try:
-                value = ast.literal_eval(text)
-            except (ValueError, SyntaxError):
-                raise InvalidDefinition(
-                    f"{field} {text[:80]!r} is neither a conversation handle nor a list of them"
-                ) from None
+            raise InvalidDefinition(
+                f"{field} {text[:80]!r} is neither a conversation handle nor a list of them"
+            ) from None
     if isinstance(value, str | uuid.UUID):
         items: list[Any] = [value]
     elif isinstance(value, list | tuple | set | frozenset):

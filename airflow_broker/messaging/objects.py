@@ -97,24 +97,29 @@ def messages_from_rows(rows: list[Any], *, counted: bool) -> list[Message]:
         rows,
         key=lambda r: (-r.priority, r.precedence, r.conversation_handle, r.message_sequence_number),
     )
-    return [
-        Message(
-            status=1,
-            priority=r.priority,
-            queuing_order=r.queuing_order,
-            conversation_group_id=r.conversation_group_id,
-            conversation_handle=r.conversation_handle,
-            message_sequence_number=r.message_sequence_number,
-            service_name=r.service_name,
-            service_contract_name=r.service_contract_name,
-            message_type_name=r.message_type_name,
-            validation=r.validation,
-            message_body=r.message_body,
-            receive_count=r.receive_count + (0 if counted else 1),
-            dead_letter=DeadLetter.from_json(r.dead_letter),
-        )
-        for r in rows
-    ]
+    return [message_from_row(r, r.receive_count + (0 if counted else 1)) for r in rows]
+
+
+def message_from_row(
+    r: Any, receive_count: int, *, status: int = 1, enqueued_at: datetime | None = None
+) -> Message:
+    """A ``broker_message`` row as a :class:`Message` (handed out ``receive_count`` times)."""
+    return Message(
+        status=status,
+        priority=r.priority,
+        queuing_order=r.queuing_order,
+        conversation_group_id=r.conversation_group_id,
+        conversation_handle=r.conversation_handle,
+        message_sequence_number=r.message_sequence_number,
+        service_name=r.service_name,
+        service_contract_name=r.service_contract_name,
+        message_type_name=r.message_type_name,
+        validation=r.validation,
+        message_body=r.message_body,
+        receive_count=receive_count,
+        dead_letter=DeadLetter.from_json(r.dead_letter),
+        enqueued_at=enqueued_at,
+    )
 
 
 def error_body(code: int, description: str) -> bytes:

@@ -17,7 +17,6 @@ from airflow_broker.messaging.objects import (
     BrokerEvent,
     Catalog,
     ContractDef,
-    DeadLetter,
     Message,
     MessageTypeDef,
     PriorityDef,
@@ -27,6 +26,7 @@ from airflow_broker.messaging.objects import (
     ServiceDef,
     TransmissionRow,
     TransmissionSummary,
+    message_from_row,
 )
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
@@ -264,22 +264,7 @@ def peek_on(
         order = (m.c.priority.desc(), m.c.precedence, m.c.message_sequence_number)
     stmt = select(m).where(*_waiting(queue_id, handle)).order_by(*order).limit(top).offset(offset)
     return [
-        Message(
-            status=r.status,
-            priority=r.priority,
-            queuing_order=r.queuing_order,
-            conversation_group_id=r.conversation_group_id,
-            conversation_handle=r.conversation_handle,
-            message_sequence_number=r.message_sequence_number,
-            service_name=r.service_name,
-            service_contract_name=r.service_contract_name,
-            message_type_name=r.message_type_name,
-            validation=r.validation,
-            message_body=r.message_body,
-            receive_count=int(r.receive_count),
-            dead_letter=DeadLetter.from_json(r.dead_letter),
-            enqueued_at=aware(r.enqueued_at),
-        )
+        message_from_row(r, int(r.receive_count), status=r.status, enqueued_at=aware(r.enqueued_at))
         for r in conn.execute(stmt)
     ]
 

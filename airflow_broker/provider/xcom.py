@@ -37,6 +37,18 @@ PLAIN_COLUMNS = (
 )
 
 
+def rendered_literal(text: str) -> Any:
+    """A value a template rendered back to Python: JSON, or the Python literal Airflow renders
+    an XCom list or dict as (``str()``). Raises ValueError when it is neither."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError) as exc:
+            raise ValueError(f"{text[:80]!r} is neither JSON nor a Python literal") from exc
+
+
 def message_to_dict(message: Message) -> dict[str, Any]:
     """One received message as a JSON-serializable dict.
 
@@ -147,15 +159,12 @@ def lease_from_xcom(value: Any, field: str = "lease") -> Lease | None:
         if text in ("", "None", "null"):
             return None
         try:
-            value = json.loads(text)
+            value = rendered_literal(text)
         except ValueError:
-            try:
-                value = ast.literal_eval(text)
-            except (ValueError, SyntaxError):
-                raise InvalidDefinition(
-                    f"{field} {text[:80]!r} is not a lease (ReceiveOperator(lease_seconds=...)'s "
-                    "return value)"
-                ) from None
+            raise InvalidDefinition(
+                f"{field} {text[:80]!r} is not a lease (ReceiveOperator(lease_seconds=...)'s "
+                "return value)"
+            ) from None
     if value is None or value == {}:
         return None
     if not isinstance(value, dict):

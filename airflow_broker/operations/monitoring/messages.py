@@ -26,12 +26,12 @@ from airflow_broker.operations.monitoring.models import (
     Page,
     _age,
     _check_offset,
-    _ev,
     _m,
     check_page,
 )
+from airflow_broker.operations.monitoring.overview import events
 from airflow_broker.operations.observation import check_peek, count_waiting, peek_on, peek_queue
-from airflow_broker.storage.clock import aware, utcnow
+from airflow_broker.storage.clock import utcnow
 
 if TYPE_CHECKING:
     from airflow_broker.storage.context import BrokerContext
@@ -207,18 +207,9 @@ def queue_events(
     from it (``dead_lettered``), the queue disabled (``queue_disabled``: by poison handling or
     ALTER QUEUE) and re-enabled (``queue_enabled``)."""
     check_page(limit, offset)
-    conds = [_ev.c.object_name == name, _ev.c.event.in_(QUEUE_EVENT_KINDS)]
     with broker.engine.connect() as conn:
         peek_queue(conn, name)
-        total = int(conn.execute(select(func.count()).select_from(_ev).where(*conds)).scalar_one())
-        _check_offset(offset, total, "events")
-        items = [
-            BrokerEvent(r.id, aware(r.occurred_at), r.event, r.object_name, r.detail)  # type: ignore[arg-type]
-            for r in conn.execute(
-                select(_ev).where(*conds).order_by(_ev.c.id.desc()).limit(limit).offset(offset)
-            )
-        ]
-    return Page(items, total, limit, offset)
+    return events(broker, object_name=name, kinds=QUEUE_EVENT_KINDS, limit=limit, offset=offset)
 
 
 __all__ = [

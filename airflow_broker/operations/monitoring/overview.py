@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
@@ -39,6 +40,7 @@ def events(
     object_name: str | None = None,
     limit: int = DEFAULT_LIMIT,
     offset: int = 0,
+    kinds: Sequence[str] | None = None,
 ) -> Page[BrokerEvent]:
     """What the broker (and its operators) did, newest first: queues disabled by poison
     handling, re-enabled queues, dynamic routing requests, operator actions..."""
@@ -48,6 +50,8 @@ def events(
         conds.append(_ev.c.event == event)
     if object_name is not None:
         conds.append(_ev.c.object_name == object_name)
+    if kinds is not None:
+        conds.append(_ev.c.event.in_(kinds))
     with broker.engine.connect() as conn:
         total = int(conn.execute(select(func.count()).select_from(_ev).where(*conds)).scalar_one())
         _check_offset(offset, total, "events")
