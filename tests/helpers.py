@@ -8,10 +8,12 @@ send ``//po/Note`` (no validation).
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+import pytest
 from sqlalchemy import create_engine, select
 
 from airflow_broker import Broker, Message
@@ -166,3 +168,18 @@ def poison(broker: Broker, queue: str = SUPPLIER_QUEUE) -> None:
         except _Refused:
             pass
     assert broker.catalog().queues[queue].status is False, "poison handling did not disable it"
+
+
+def pair_behind_connection(
+    broker_url: str, monkeypatch: pytest.MonkeyPatch, conn_id: str
+) -> Iterator[Broker]:
+    """The buyer/supplier pair on a fresh broker that the Airflow connection ``conn_id``
+    names (for operator tests: ``yield from`` it in a fixture)."""
+    monkeypatch.setenv(
+        f"AIRFLOW_CONN_{conn_id.upper()}",
+        json.dumps({"conn_type": "broker", "extra": {"url": broker_url}}),
+    )
+    b = Broker.connect(broker_url)
+    declare_pair(b)
+    yield b
+    b.dispose()

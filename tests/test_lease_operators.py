@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import BUYER_QUEUE, NOTE, declare_pair, open_order, receive, send
+from helpers import (
+    BUYER_QUEUE,
+    NOTE,
+    open_order,
+    pair_behind_connection,
+    receive,
+    send,
+)
 
 from airflow_broker import END_DIALOG, Broker, InvalidDefinition, LeaseExpired
 from airflow_broker.operators import CompleteLeaseOperator, ReceiveOperator, ReleaseLeaseOperator
@@ -33,14 +40,7 @@ CONN_ID = "broker_leases"
 @pytest.fixture
 def broker(broker_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Broker]:
     """The buyer/supplier pair on a fresh broker that Airflow connection ``broker_leases`` names."""
-    monkeypatch.setenv(
-        f"AIRFLOW_CONN_{CONN_ID.upper()}",
-        json.dumps({"conn_type": "broker", "extra": {"url": broker_url}}),
-    )
-    b = Broker.connect(broker_url)
-    declare_pair(b)
-    yield b
-    b.dispose()
+    yield from pair_behind_connection(broker_url, monkeypatch, CONN_ID)
 
 
 class FakeTI:

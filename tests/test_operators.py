@@ -25,8 +25,8 @@ from helpers import (
     ORDER,
     SUPPLIER,
     SUPPLIER_QUEUE,
-    declare_pair,
     open_order,
+    pair_behind_connection,
     receive,
 )
 from sqlalchemy import create_engine, text
@@ -58,14 +58,7 @@ CONTEXT: dict[str, Any] = {}  # the operators use nothing from the task context
 @pytest.fixture
 def broker(broker_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Broker]:
     """The buyer/supplier pair on a fresh broker that Airflow connection ``broker_ops`` names."""
-    monkeypatch.setenv(
-        f"AIRFLOW_CONN_{CONN_ID.upper()}",
-        json.dumps({"conn_type": "broker", "extra": {"url": broker_url}}),
-    )
-    b = Broker.connect(broker_url)
-    declare_pair(b)
-    yield b
-    b.dispose()
+    yield from pair_behind_connection(broker_url, monkeypatch, CONN_ID)
 
 
 def xcom_safe(value: Any) -> Any:

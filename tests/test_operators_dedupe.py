@@ -6,7 +6,6 @@ scheduler's retry is ``tests/test_e2e_dedupe.py``."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -20,9 +19,9 @@ from helpers import (
     ORDER,
     SUPPLIER,
     SUPPLIER_QUEUE,
-    declare_pair,
     drain,
     open_order,
+    pair_behind_connection,
 )
 from sqlalchemy import select
 
@@ -37,14 +36,7 @@ CONN_ID = "broker_ops"
 @pytest.fixture
 def broker(broker_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Broker]:
     """The buyer/supplier pair on a fresh broker that Airflow connection ``broker_ops`` names."""
-    monkeypatch.setenv(
-        f"AIRFLOW_CONN_{CONN_ID.upper()}",
-        json.dumps({"conn_type": "broker", "extra": {"url": broker_url}}),
-    )
-    b = Broker.connect(broker_url)
-    declare_pair(b)
-    yield b
-    b.dispose()
+    yield from pair_behind_connection(broker_url, monkeypatch, CONN_ID)
 
 
 def context(try_number: int = 1, map_index: int = -1, task_id: str = "t") -> dict[str, Any]:

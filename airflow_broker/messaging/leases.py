@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Connection
 
-from airflow_broker import metrics
 from airflow_broker.errors import InvalidDefinition, LeaseExpired
 from airflow_broker.messaging.arguments import Handle, as_uuid
 from airflow_broker.messaging.failure import record_failed_attempts
@@ -140,9 +139,9 @@ def _locked_lease(broker: BrokerContext, conn: Connection, token: Handle, verb: 
     return row
 
 
-def _unhold(conn: Connection, row: Any, **group_values: Any) -> list[int]:
+def _unhold(conn: Connection, row: Any) -> list[int]:
     """End the lease ``row``: its messages and group are free again; returns the messages."""
-    m, g = s.message, s.conversation_group
+    m = s.message
     held = (
         conn.execute(
             update(m)
@@ -153,44 +152,40 @@ def _unhold(conn: Connection, row: Any, **group_values: Any) -> list[int]:
         .scalars()
         .all()
     )
-    conn.execute(
-        update(g)
-        .where(g.c.conversation_group_id == row.conversation_group_id, g.c.lease_token == row.token)
-        .values(lease_token=None, held_until=None, **group_values)
-    )
-    conn.execute(delete(s.lease).where(s.lease.c.token == row.token))
+    _free(conn, row)
     return list(held)
 
 
-def complete(broker: BrokerContext, conn: Connection, token: Handle) -> int:
-    """Inside the caller's transaction: remove the lease's messages (kept as received on a
-    queue with retention) and free its group; returns how many messages went."""
-    row = _locked_lease(broker, conn, token, "complete")
-    m, g, qt = s.message, s.conversation_group, s.queue
-    retention = conn.execute(
-        select(qt.c.retention, qt.c.name).where(qt.c.queue_id == row.queue_id)
-    ).first()
-    if retention is not None and retention.retention:
-        done = conn.execute(
-            update(m).where(m.c.lease_token == row.token).values(status=0, lease_token=None)
-        ).rowcount
-    else:
-        done = conn.execute(delete(m).where(m.c.lease_token == row.token)).rowcount
+def _free(conn: Connection, row: Any) -> None:
+    """The lease ``row``'s group is no longer held, and the lease is gone."""
+    g = s.conversation_group
     conn.execute(
         update(g)
         .where(g.c.conversation_group_id == row.conversation_group_id, g.c.lease_token == row.token)
         .values(lease_token=None, held_until=None)
     )
     conn.execute(delete(s.lease).where(s.lease.c.token == row.token))
+
+
+def complete(broker: BrokerContext, conn: Connection, token: Handle) -> tuple[str, int]:
+    """Inside the caller's transaction: remove the lease's messages (kept as received on a
+    queue with retention) and free its group; returns the queue and how many messages went."""
+    row = _locked_lease(broker, conn, token, "complete")
+    m, qt = s.message, s.queue
+    q = conn.execute(select(qt.c.retention, qt.c.name).where(qt.c.queue_id == row.queue_id)).one()
+    taken = m.c.lease_token == row.token
+    if q.retention:
+        done = conn.execute(update(m).where(taken).values(status=0, lease_token=None)).rowcount
+    else:
+        done = conn.execute(delete(m).where(taken)).rowcount
+    _free(conn, row)
     # A completed lease breaks the queue's run of failed attempts, as a committed RECEIVE does.
     conn.execute(
         update(qt)
         .where(qt.c.queue_id == row.queue_id, qt.c.rollback_count > 0)
         .values(rollback_count=0)
     )
-    if retention is not None and metrics.enabled():
-        metrics.incr(metrics.MESSAGES_RECEIVED, done or 0, {"queue": retention.name})
-    return done or 0
+    return q.name, done or 0
 
 
 def release(broker: BrokerContext, token: Handle, delay: float = 0) -> None:

@@ -152,8 +152,10 @@ class Receiving(TransactionCore):
             reader may have them); nothing was removed.
         """
         self._check_open()
-        done = leases.complete(self.broker, self.connection, token)
+        queue, done = leases.complete(self.broker, self.connection, token)
         self._dirty = True
+        if metrics.enabled():  # counted by broker.messages_received when this commits
+            self._received[queue] = self._received.get(queue, 0) + done
         return done
 
     def get_conversation_group(self, queue: str, wait_seconds: float = 0) -> uuid.UUID | None:
