@@ -84,6 +84,34 @@ def test_a_queue_disabled_by_poison_handling_counts(broker: Broker, recorder: Re
     ]
 
 
+def test_a_dead_lettered_conversation_counts(broker: Broker, recorder: Recorder) -> None:
+    declare_pair(broker)
+    broker.create_queue("dead_letters")
+    broker.alter_queue(SUPPLIER_QUEUE, max_receives=2, dead_letter_queue="dead_letters")
+    send(broker, begin(broker), NOTE, b"poison")
+    for _ in range(2):
+        with pytest.raises(Failed), broker.transaction() as tx:
+            assert tx.receive(SUPPLIER_QUEUE)
+            raise Failed
+    assert [c for c in recorder.calls if c[1] == metrics.DEAD_LETTERED] == [
+        ("incr", metrics.DEAD_LETTERED, 1, {"queue": SUPPLIER_QUEUE})
+    ]
+
+
+def test_completed_leases_count_as_received_on_commit(broker: Broker, recorder: Recorder) -> None:
+    declare_pair(broker)
+    send(broker, begin(broker), NOTE, b"a", b"b")
+    lease = broker.lease(SUPPLIER_QUEUE, lease_seconds=60)
+    assert lease is not None
+    with pytest.raises(Failed), broker.transaction() as tx:
+        tx.complete(lease.token)
+        raise Failed
+    assert recorder.total(metrics.MESSAGES_RECEIVED) == 0
+    with broker.transaction() as tx:
+        tx.complete(lease.token)
+    assert recorder.calls[-1] == ("incr", metrics.MESSAGES_RECEIVED, 2, {"queue": SUPPLIER_QUEUE})
+
+
 def test_delivery_failures_count(broker: Broker, recorder: Recorder, tmp_path: Path) -> None:
     """A far broker that cannot be reached (transport_failed, the messages wait), and one that
     refuses the conversation (delivery_failed: it fails with an Error)."""
