@@ -37,6 +37,11 @@ ERR_BROKER_IDENTITY_RESET: Final = -8495
 #: The Error code of a conversation ended by dead-lettering: one of its messages reached its
 #: queue's ``max_receives``, and its unprocessed messages moved to the dead-letter queue.
 DEAD_LETTERED: Final = -8496
+#: Dialog security refused a message or a key exchange: it failed its integrity check (altered
+#: in transit), its signature did not verify, or a certificate it needs is missing.
+ERR_DIALOG_SECURITY: Final = -8497
+#: A certificate of a secure dialog is past its end date: the dialog stops.
+ERR_CERTIFICATE_EXPIRED: Final = -8498
 
 #: Consecutive rolled-back receiving transactions that disable a queue.
 POISON_THRESHOLD: Final = 5

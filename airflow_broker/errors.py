@@ -43,3 +43,13 @@ class QueueDisabled(BrokerError):
 class LeaseExpired(BrokerError):
     """``complete`` (or ``extend``, ``release``) of a lease that lapsed and was taken back: its
     messages were returned to the queue, and may since have been handed to another reader."""
+
+
+class PermissionDenied(BrokerError):
+    """The database role may not do this: SEND to a service or RECEIVE from a queue it was not
+    granted (``grant_send``, ``grant_receive``), or anything else a broker's owner does."""
+
+
+class DialogSecurityError(BrokerError):
+    """Dialog security cannot do what was asked: no master key, a certificate that does not
+    parse or does not match its private key, a binding to a certificate that does not exist."""

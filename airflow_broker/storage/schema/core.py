@@ -1,4 +1,4 @@
-"""The broker's tables, in SQLAlchemy Core.
+"""The broker's core tables, in SQLAlchemy Core (the package `storage.schema` re-exports them).
 
 One :class:`~sqlalchemy.MetaData` with a naming convention, so that constraint names are the same
 on every engine and Alembic can compare a migrated database with a fresh ``create_all``. Every
@@ -211,6 +211,8 @@ conversation_endpoint = Table(
     Column("receive_sequence", BigInteger, nullable=False, server_default=text("0")),
     Column("created_at", Timestamp, nullable=False),
     Column("closed_at", Timestamp, nullable=True),
+    # BEGIN DIALOG ... WITH ENCRYPTION: leaves this broker only under dialog security.
+    Column("encryption", Boolean, nullable=True),
     Index(
         "uq_broker_conversation_endpoint_conversation_id_is_initiator",
         "conversation_id",
@@ -285,6 +287,8 @@ transmission_queue = Table(
     Column("transmission_status", Text, nullable=False, server_default=text("''")),
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column("next_attempt_at", Timestamp, nullable=True),
+    # message_body is sealed under the dialog's session key (dialog security).
+    Column("sealed", Boolean, nullable=True),
     Index("ix_broker_transmission_queue_next_attempt_at", "next_attempt_at"),
     comment="Messages waiting to leave for a service this broker does not host (or cannot reach).",
 )
@@ -399,6 +403,8 @@ transit = Table(
     Column("transmission_status", Text, nullable=False, server_default=text("''")),
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column("next_attempt_at", Timestamp, nullable=False),
+    Column("sealed", Boolean, nullable=True),
+    Column("handshake", LargeBinary, nullable=True),
     info={"unlogged": True},
     comment=(
         "Messages a forwarding broker holds while the next hop cannot take them. Not durable on "
@@ -574,27 +580,4 @@ spark_staging = Table(
         "Messages the Spark routing job wrote for this broker and has not committed yet: the "
         "commit moves them into queues (exactly once, by sequence numbers) and deletes them."
     ),
-)
-
-lease = Table(
-    "broker_lease",
-    metadata,
-    Column("token", Uuid, primary_key=True),
-    Column("queue_id", Integer, nullable=False),
-    Column("conversation_group_id", Uuid, nullable=False),
-    Column("leased_at", Timestamp, nullable=False),
-    Column("expires_at", Timestamp, nullable=False, index=True),
-    comment="Messages handed out without an open transaction, until completed or given back.",
-)
-
-dedupe = Table(
-    "broker_dedupe",
-    metadata,
-    # "c:<conversation handle>" for SEND and END, "s:<initiator service>" for BEGIN DIALOG.
-    Column("scope", String(300), nullable=False),
-    Column("dedupe_key", String(512), nullable=False),
-    Column("conversation_handle", Uuid, nullable=False, index=True),
-    Column("created_at", Timestamp, nullable=False),
-    PrimaryKeyConstraint("scope", "dedupe_key"),
-    comment="Keys of idempotent SEND, BEGIN DIALOG and END CONVERSATION.",
 )
