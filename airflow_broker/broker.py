@@ -44,7 +44,7 @@ from airflow_broker.operations.identity import IdentityReset, reset_identity
 from airflow_broker.storage.context import BrokerContext, Resolver
 from airflow_broker.storage.identity import IdentityStatus, identity_status
 from airflow_broker.storage.migrate import migrate_on
-from airflow_broker.transport import DeliveryReport, Transport, in_transit, resolve
+from airflow_broker.transport import DeliveryReport, Transport, in_transit, inbox, resolve
 from airflow_broker.transport import routing_service as ddr
 
 log = logging.getLogger("airflow_broker")
@@ -304,6 +304,20 @@ class Broker(BrokerContext):
         :param retry_now: ignore the backoff of messages that failed before and try them now.
         """
         return Transport(self).deliver(max_messages, retry_now=retry_now)
+
+    def grant_delivery(self, role: str) -> None:
+        """Let database ``role`` deliver to this broker and nothing else: push batches into its
+        inbox and collect their answers (PostgreSQL; see :mod:`airflow_broker.transport.inbox`).
+        A peer or forwarder whose route to this broker connects as ``role`` delivers through
+        the inbox, and this broker's own delivery pass accepts what it pushed."""
+        inbox.grant_delivery(self, role)
+
+    def revoke_delivery(self, role: str) -> None:
+        inbox.revoke_delivery(self, role)
+
+    def delivery_roles(self) -> list[str]:
+        """Roles that may only deliver to this broker."""
+        return inbox.delivery_roles(self)
 
     def resolve(self, address: str) -> Broker:
         """The broker a ``broker://NAME`` address names, through this broker's resolver."""

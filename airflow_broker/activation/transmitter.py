@@ -47,7 +47,7 @@ from airflow_broker.operations.housekeeping import Retention, housekeeping_step
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.adapters import TRANSMIT_CHANNEL
 from airflow_broker.storage.clock import aware, utcnow
-from airflow_broker.transport import DeliveryReport, Transport
+from airflow_broker.transport import DeliveryReport, Transport, inbox
 
 if TYPE_CHECKING:
     from airflow_broker.storage.context import BrokerContext
@@ -105,7 +105,7 @@ def backlog(broker: BrokerContext, now: datetime | None = None) -> Backlog:
                     func.count().filter(tr.c.next_attempt_at <= now), func.min(tr.c.next_attempt_at)
                 )
             ).one()
-            due += int(held[0])
+            due += int(held[0]) + inbox.pending(conn)
             if held[1] is not None and aware(held[1]) > now:  # type: ignore[operator]
                 next_at = held[1] if next_at is None else min(next_at, held[1])
     return Backlog(

@@ -92,11 +92,18 @@ class Transaction(Receiving, Ending):
         related_conversation_group: Handle | None = None,
         *,
         dedupe_key: str | None = None,
+        encryption: bool = True,
     ) -> uuid.UUID:
         """BEGIN DIALOG CONVERSATION from a local service; returns the conversation handle.
 
         The target need not be reachable yet: the first SEND waits in the transmission queue
         until a route reaches ``to_service``.
+
+        ``encryption`` (seed 004's ENCRYPTION, on by default): a dialog with another broker
+        sends nothing until dialog security is configured for ``to_service`` (a remote service
+        binding, certificates and the master key); its messages wait in the transmission queue
+        with a reason naming what is missing. Off, messages travel in clear when no dialog
+        security is configured, and sealed when it is. A dialog within one broker needs nothing.
 
         With ``dedupe_key`` (a string of at most 512 characters), idempotent per initiating
         service: when a BEGIN DIALOG from ``from_service`` with this key committed before (or
@@ -194,6 +201,7 @@ class Transaction(Receiving, Ending):
                 send_sequence=0,
                 receive_sequence=0,
                 created_at=now,
+                encryption=bool(encryption),
             )
         )
         if lifetime_seconds:

@@ -119,6 +119,7 @@ class Forwarder:
             out.forwarded += sum(1 for p in batch if p.kind == MESSAGE)
             out.discarded += result.discarded
             out.answers.extend(result.answers)
+            out.late_notes.extend(result.late_notes)
             for j, note in result.notes.items():
                 out.notes[idx[j]] = note
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, select, tuple_
+from sqlalchemy import delete, select, tuple_, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
@@ -26,7 +26,7 @@ from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.storage.identity import copy_refusal
-from airflow_broker.transport import route_requests
+from airflow_broker.transport import inbox, route_requests
 from airflow_broker.transport.forwarding import (
     _key,
     _memory_lock,
@@ -72,6 +72,9 @@ class Transport:
             peer = resolve(self.b, address)
         except DBAPIError as exc:
             raise Unreachable(f"{address}: {_first_line(exc)}") from exc
+        if inbox.inbox_mode(peer):
+            # A role that may only deliver: the far broker accepts the batch on its own pass.
+            return inbox.push(self.b, peer, address, packets, depth)
         try:
             outcome = Inbound(peer, Transport(peer).push_any).accept(packets, depth=depth)
         except Unreachable as exc:
@@ -110,6 +113,9 @@ class Transport:
         self.refused = copy_refusal(self.b)
         if self.refused is not None:
             log.info("%s", self.refused)  # as for an unreachable broker: the rows say it too
+        else:
+            inbox.accept_inbox(self, counts)  # what peers that may only deliver pushed here
+            self._collect_answers(counts)
         while budget is None or budget > 0:
             n = self._transmission_batch(
                 self.BATCH if budget is None else min(self.BATCH, budget), retry_now, counts, after
@@ -126,6 +132,47 @@ class Transport:
         metrics.incr(metrics.TRANSPORT_FAILED, unreachable)
         metrics.incr(metrics.DELIVERY_FAILED, report.failed)
         return report
+
+    def _collect_answers(self, counts: dict[str, int]) -> None:
+        """Answers far brokers wrote in their inboxes' answer tables for this broker's batches."""
+        for address in inbox.inbox_addresses(self.b):
+            try:
+                answers, notes = inbox.collect(resolve(self.b, address), address)
+            except (Unreachable, DBAPIError) as exc:
+                log.info("%s", exc)
+                continue
+            if answers or notes:
+                with self.b.engine.begin() as conn:
+                    me = self.b.instance_id_on(conn)
+                    self._apply_answers(conn, me, answers, counts)
+                    self._late_notes(conn, notes)
+
+    def _apply_answers(
+        self, conn: Connection, me: str, answers: list[Packet], counts: dict[str, int]
+    ) -> None:
+        mine = [a for a in answers if a.to_broker_instance == me]
+        if mine:
+            acks, notices = apply_answers(self.b, conn, me, mine)
+            counts["acknowledged"] += acks
+            counts["delivered"] += acks
+            counts["failed"] += notices
+        relay = [a for a in answers if a.to_broker_instance != me]
+        if relay:
+            self._relay(relay, counts)
+
+    def _late_notes(self, conn: Connection, notes: list[inbox.Note]) -> None:
+        """Why a far broker held or dropped packets of earlier batches: the rows say it."""
+        t = s.transmission_queue
+        for conversation_id, from_initiator, seq, _kind, reason in notes:
+            conn.execute(
+                update(t)
+                .where(
+                    t.c.conversation_id == conversation_id,
+                    t.c.is_initiator == from_initiator,
+                    t.c.message_sequence_number == seq,
+                )
+                .values(transmission_status=reason)
+            )
 
     def _transmission_batch(
         self, limit: int, retry_now: bool, counts: dict[str, int], after: list[Any]
@@ -277,10 +324,11 @@ class Transport:
             counts["delivered"] += went
             counts["delayed"] += len(plan["rows"][handle]) - went
         waiting: list[tuple[Any, str]] = []
+        inboxed: set[int] = set()
         for handle, reason in plan["delayed"].items():
             waiting += [(r, reason) for r in plan["rows"][handle]]
-        answers_for_me: list[Packet] = []
-        relay: list[Packet] = []
+        answers: list[Packet] = []
+        late: list[inbox.Note] = []
         for batch, outcome, failure in results:
             if outcome is None:
                 counts[_UNREACHABLE] += len(batch)  # the broker.transport_failed metric
@@ -297,14 +345,14 @@ class Transport:
                 _kind, reason = outcome.notes.get(
                     j, (HELD, "sent; waiting for the final destination's acknowledgment")
                 )
-                waiting.append((plan["packet_rows"][(p.conversation_id, p.seq)], reason))
-            for a in outcome.answers:
-                (answers_for_me if a.to_broker_instance == me else relay).append(a)
-        if answers_for_me:
-            acks, notices = apply_answers(self.b, conn, me, answers_for_me)
-            counts["acknowledged"] += acks
-            counts["delivered"] += acks
-            counts["failed"] += notices
+                row = plan["packet_rows"][(p.conversation_id, p.seq)]
+                if outcome.inbox:
+                    inboxed.add(row.id)
+                waiting.append((row, reason))
+            answers += outcome.answers
+            late += outcome.late_notes
+        self._apply_answers(conn, me, answers, counts)
+        self._late_notes(conn, late)
         bulk.update_rows(
             conn,
             t,
@@ -314,7 +362,8 @@ class Transport:
                     "id": r.id,
                     "attempts": r.attempts + 1,
                     "transmission_status": reason,
-                    "next_attempt_at": now + backoff(r.attempts + 1),
+                    "next_attempt_at": now
+                    + (inbox.inbox_retry if r.id in inboxed else backoff)(r.attempts + 1),
                 }
                 for r, reason in waiting
             ],
@@ -322,8 +371,6 @@ class Transport:
         counts["delayed"] += len(waiting)
         if waiting:
             self.b.note_due(now + RETRY_BASE)
-        if relay:
-            self._relay(relay, counts)
 
     def _relay(self, answers: list[Packet], counts: dict[str, int]) -> None:
         """Answers for other brokers (this one forwards): pass them on like any packet."""

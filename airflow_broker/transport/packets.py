@@ -41,6 +41,10 @@ class Packet:
     hops: int = 0
     error_code: int | None = None
     error_description: str | None = None
+    #: dialog security: ``body`` is sealed under the dialog's session key
+    sealed: bool = False
+    #: dialog security: the initiator's signed key exchange, until the target has the key
+    handshake: bytes | None = None
 
     def answer(
         self,
@@ -86,6 +90,11 @@ class Outcome:
     notes: dict[int, tuple[str, str]] = field(default_factory=dict)
     discarded: int = 0
     forwarded: int = 0
+    #: the batch went into the far broker's inbox (:mod:`.inbox`): held until answered
+    inbox: bool = False
+    #: notes on packets of earlier batches, collected with this answer:
+    #: (conversation_id, from_initiator, seq, HELD or DROPPED, reason)
+    late_notes: list[tuple[uuid.UUID, bool, int, str, str]] = field(default_factory=list)
 
 
 class Unreachable(BrokerError):

@@ -7,7 +7,7 @@ Create Date: 2026-11-25 14:40:00
 - new tables ``broker_permission`` (SEND and RECEIVE granted to database roles),
   ``broker_certificate``, ``broker_remote_service_binding`` and ``broker_dialog_key`` (dialog
   security), ``broker_inbox`` and ``broker_inbox_answer`` (delivery by a peer that may only
-  deliver);
+  deliver; a batch pushed there wakes the transmitter);
 - ``broker_conversation_endpoint`` gains ``encryption``, ``broker_transmission_queue``
   ``sealed``, and ``broker_transit`` ``sealed`` and ``handshake`` (all nullable: no rewrite);
 - on PostgreSQL, row-level security on the inbox tables: a pusher writes batches under its own
@@ -139,6 +139,11 @@ def upgrade() -> None:
         op.execute(
             "CREATE POLICY broker_inbox_answer_own ON broker_inbox_answer "
             "USING (pushed_by = current_user)"
+        )
+        # A batch in the inbox wakes the transmitter (0010's function), which accepts it.
+        op.execute(
+            "CREATE TRIGGER broker_inbox_notify AFTER INSERT ON broker_inbox "
+            "FOR EACH STATEMENT EXECUTE FUNCTION broker_notify_transmitter()"
         )
 
 
