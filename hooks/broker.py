@@ -4,7 +4,9 @@ The hook reads its connection through the Task SDK (``BaseHook.get_connection``)
 Airflow's ORM, and opens the broker's own SQLAlchemy engine from it: task code may not use
 Airflow's database session, and the broker never needs it. Without the connection it falls back
 to the embedded store, ``sqlite:///$AIRFLOW_HOME/broker.db``, says so in the log, and migrates
-that file (once per process).
+that file (once per process). A PostgreSQL server is connected to at once, so that a server
+that refuses the connection (TLS required, a certificate that cannot be verified) is reported
+with the connection's id (:class:`BrokerConnectionError`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy.exc import OperationalError
+
+from airflow_broker.errors import BrokerError
 from airflow_broker.hooks.connections import connection_url
 from airflow_broker.provider import CONNECTION_FORM
 from airflow_broker.provider.compat import AirflowNotFoundException, BaseHook
@@ -26,6 +31,47 @@ FALLBACK_FILE = "broker.db"
 
 _migrated: set[str] = set()
 _migrated_lock = threading.Lock()
+
+
+class BrokerConnectionError(BrokerError, ConnectionError):
+    """The server of a broker connection refuses it: the message names the Airflow connection
+    and says what was wrong (the server's own words follow in parentheses)."""
+
+
+#: (words of libpq's message, what to tell the user), the first match wins.
+_CONNECT_FAILURES = (
+    (
+        ("no pg_hba.conf entry", "no encryption"),
+        "the server accepts only TLS connections: set sslmode (require, verify-ca or "
+        "verify-full) and sslrootcert in the connection's extra",
+    ),
+    (
+        ("certificate verify failed",),
+        "the server's certificate cannot be verified (certificate verify failed): set "
+        "sslrootcert in the connection's extra to the CA certificate that signed it",
+    ),
+    (
+        ("does not match host name",),
+        "the server's certificate does not name the connection's host: use a host name the "
+        "certificate gives, or sslmode verify-ca",
+    ),
+    (
+        ("root certificate file",),
+        "the CA certificate cannot be read: set sslrootcert in the connection's extra to the "
+        "file of the CA that signed the server's certificate",
+    ),
+)
+
+
+def connect_failure(conn_id: str, error: BaseException) -> str:
+    """What :class:`BrokerConnectionError` says when connection ``conn_id`` cannot connect."""
+    detail = " ".join(str(error).split())  # libpq's message spans lines
+    what = "cannot connect to the server"
+    for words, advice in _CONNECT_FAILURES:
+        if all(w in detail.lower() for w in words):
+            what = advice
+            break
+    return f"broker connection {conn_id!r}: {what} ({detail})"
 
 
 def fallback_url() -> str:
@@ -92,6 +138,14 @@ class BrokerHook(BaseHook):
 
         url, fallback = self.broker_url()
         broker = Broker.connect(url)
+        if broker.dialect == "postgresql":
+            try:
+                with broker.engine.connect():
+                    pass
+            except OperationalError as exc:
+                broker.dispose()
+                reason = connect_failure(self.broker_conn_id, exc.orig or exc)
+                raise BrokerConnectionError(reason) from exc
         if fallback:
             self.log.info(
                 "Airflow connection %r does not exist: using the embedded broker database %s "
@@ -148,4 +202,4 @@ class BrokerHook(BaseHook):
         }
 
 
-__all__ = ["BrokerHook", "fallback_url"]
+__all__ = ["BrokerConnectionError", "BrokerHook", "connect_failure", "fallback_url"]

@@ -29,13 +29,47 @@ _lock = threading.Lock()
 #: Airflow connection types that name a PostgreSQL server.
 POSTGRES_TYPES = frozenset({"postgres", "postgresql", "broker"})
 
+#: Keys of a postgres (or broker) connection's ``extra`` that are libpq connection parameters:
+#: they reach psycopg as query parameters of the URL (``?sslmode=verify-full&sslrootcert=...``).
+#: TLS: ``sslmode`` (``disable``, ``prefer``, ``require``, ``verify-ca``, ``verify-full``), the
+#: CA that signed the server's certificate (``sslrootcert``), a client certificate and its key
+#: (``sslcert``, ``sslkey``, ``sslpassword``), revocation lists, SNI and the TLS versions;
+#: then the usual session settings. Other keys (the Airflow postgres provider's ``cursor``,
+#: ``iam``, ...) are ignored, with a debug log line.
+LIBPQ_EXTRAS = frozenset(
+    {
+        "sslmode",
+        "sslrootcert",
+        "sslcert",
+        "sslkey",
+        "sslpassword",
+        "sslcrl",
+        "sslcrldir",
+        "sslsni",
+        "ssl_min_protocol_version",
+        "ssl_max_protocol_version",
+        "application_name",
+        "connect_timeout",
+        "options",
+        "target_session_attrs",
+        "keepalives",
+        "keepalives_idle",
+        "keepalives_interval",
+        "keepalives_count",
+        "gssencmode",
+        "channel_binding",
+    }
+)
+
 
 def connection_url(conn: Any) -> str:
     """The SQLAlchemy URL of an Airflow connection to a broker database.
 
     ``extra`` may give the whole URL as ``{"url": "..."}``; otherwise ``sqlite`` connections
     use their host as the file path, and ``postgres`` (or ``broker``) connections are built from
-    host, port, schema (the database), login and password, with the psycopg 3 driver.
+    host, port, schema (the database), login and password, with the psycopg 3 driver; the keys
+    of their ``extra`` named in :data:`LIBPQ_EXTRAS` (``sslmode``, ``sslrootcert``, ...) become
+    query parameters of the URL, which SQLAlchemy hands to psycopg.
     """
     extra = conn.extra_dejson or {}
     if extra.get("url"):
@@ -51,11 +85,38 @@ def connection_url(conn: Any) -> str:
             host=conn.host or None,
             port=conn.port or None,
             database=conn.schema or None,
+            query=libpq_parameters(conn.conn_id, extra),
         ).render_as_string(hide_password=False)
     raise ValueError(
         f"Airflow connection {conn.conn_id!r} has type {conn.conn_type!r}: a broker address must "
         'be a postgres, sqlite or broker connection, or give the URL in extra as {"url": ...}'
     )
+
+
+def libpq_parameters(conn_id: str, extra: dict[str, Any]) -> dict[str, str]:
+    """The libpq parameters in a connection's ``extra`` (:data:`LIBPQ_EXTRAS`), as the strings a
+    URL carries: ``true``/``false`` become ``1``/``0`` (``keepalives``, ``sslsni``), numbers their
+    decimal form; empty values are left out. Other keys are ignored (logged at debug level)."""
+    params: dict[str, str] = {}
+    for key, value in sorted(extra.items()):
+        if key not in LIBPQ_EXTRAS:
+            log.debug(
+                "Airflow connection %r: extra %r is no libpq parameter; ignored", conn_id, key
+            )
+        elif value is None or value == "":
+            continue
+        elif isinstance(value, bool):
+            params[key] = "1" if value else "0"
+        elif isinstance(value, (str, int, float)):
+            params[key] = str(value)
+        else:
+            log.debug(
+                "Airflow connection %r: extra %r is a %s, not a value; ignored",
+                conn_id,
+                key,
+                type(value).__name__,
+            )
+    return params
 
 
 def airflow_connection_url(conn_id: str) -> str | None:

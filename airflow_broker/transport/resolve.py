@@ -17,6 +17,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
+from sqlalchemy import make_url
+
 from airflow_broker import routing
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.transport.packets import Unreachable
@@ -97,7 +99,8 @@ def resolve(broker: BrokerContext, address: str) -> BrokerContext:
         peer = _peers.get(url)
         if peer is None:
             kwargs: dict[str, Any] = {"pool_pre_ping": True}
-            if not url.startswith("sqlite"):
+            if not url.startswith("sqlite") and "connect_timeout" not in make_url(url).query:
+                # connect_args would override the URL's own ?connect_timeout=: that one wins.
                 kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT}
             peer = type(broker).connect(url, resolver=resolver, **kwargs)
             _peers[url] = peer
