@@ -19,7 +19,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from airflow_broker.messaging import leases
@@ -41,6 +41,10 @@ from airflow_broker.operations import check as consistency
 from airflow_broker.operations import housekeeping, observation
 from airflow_broker.operations.check import Problem
 from airflow_broker.operations.identity import IdentityReset, reset_identity
+from airflow_broker.security import certificates as certificate_store
+from airflow_broker.security import permissions as permission_store
+from airflow_broker.security.certificates import CertificateRow
+from airflow_broker.security.permissions import Permission
 from airflow_broker.storage.context import BrokerContext, Resolver
 from airflow_broker.storage.identity import IdentityStatus, identity_status
 from airflow_broker.storage.migrate import migrate_on
@@ -287,6 +291,80 @@ class Broker(BrokerContext):
 
     def drop_priority(self, name: str) -> None:
         self._define("drop_priority", name)
+
+    # -- dialog security -----------------------------------------------------------------------
+    def create_certificate(
+        self,
+        name: str,
+        *,
+        owner: str,
+        subject: str | None = None,
+        expires_at: datetime | None = None,
+    ) -> CertificateRow:
+        """CREATE CERTIFICATE for local service ``owner``: a key pair, its private key sealed
+        under the master key (see :meth:`Definitions.create_certificate`)."""
+        with self.definitions() as d:
+            return d.create_certificate(name, owner=owner, subject=subject, expires_at=expires_at)
+
+    def import_certificate(
+        self, name: str, pem: str, *, owner: str, private_key_pem: str | bytes | None = None
+    ) -> CertificateRow:
+        """A certificate from PEM, speaking for ``owner`` (see
+        :meth:`Definitions.import_certificate`)."""
+        with self.definitions() as d:
+            return d.import_certificate(name, pem, owner=owner, private_key_pem=private_key_pem)
+
+    def drop_certificate(self, name: str) -> None:
+        self._define("drop_certificate", name)
+
+    def create_remote_service_binding(
+        self, name: str, *, service: str, certificate: str, anonymous: bool = False
+    ) -> None:
+        """CREATE REMOTE SERVICE BINDING (see :meth:`Definitions.create_remote_service_binding`)."""
+        self._define(
+            "create_remote_service_binding",
+            name,
+            service=service,
+            certificate=certificate,
+            anonymous=anonymous,
+        )
+
+    def alter_remote_service_binding(
+        self, name: str, *, certificate: str | None = None, anonymous: bool | None = None
+    ) -> None:
+        """ALTER REMOTE SERVICE BINDING: a renewed certificate, or anonymity."""
+        self._define(
+            "alter_remote_service_binding", name, certificate=certificate, anonymous=anonymous
+        )
+
+    def drop_remote_service_binding(self, name: str) -> None:
+        self._define("drop_remote_service_binding", name)
+
+    def certificates(self, expiring_within: timedelta | None = None) -> list[CertificateRow]:
+        """Every certificate (never a private key), the one ending first first; with
+        ``expiring_within``, only those ending within it (expired ones included)."""
+        with self.engine.connect() as conn:
+            return certificate_store.certificates(conn, expiring_within=expiring_within)
+
+    # -- permissions (PostgreSQL; see airflow_broker.security.permissions) ----------------------
+    def grant_send(self, service: str, role: str) -> None:
+        """GRANT SEND ON SERVICE to a database role (see :meth:`Definitions.grant_send`)."""
+        self._define("grant_send", service, role)
+
+    def grant_receive(self, queue: str, role: str) -> None:
+        """GRANT RECEIVE ON a queue to a database role (see :meth:`Definitions.grant_receive`)."""
+        self._define("grant_receive", queue, role)
+
+    def revoke_send(self, service: str, role: str) -> None:
+        self._define("revoke_send", service, role)
+
+    def revoke_receive(self, queue: str, role: str) -> None:
+        self._define("revoke_receive", queue, role)
+
+    def permissions(self) -> list[Permission]:
+        """Every SEND and RECEIVE granted, by permission, object and role ([] on SQLite)."""
+        with self.engine.connect() as conn:
+            return permission_store.permissions(conn)
 
     def configure(self, *, forwarding: bool | None = None, principal: bool | None = None) -> None:
         """Broker-wide settings (see :meth:`Definitions.configure`)."""

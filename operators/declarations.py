@@ -81,7 +81,10 @@ class ApplyDeclarationsOperator(BrokerOperator):
             source, filename = self._read()
             decls, problems = declarations.parse(source)
             the_plan, plan_problems = declarations.plan(
-                decls, broker.catalog(), settings=broker_settings(broker)
+                decls,
+                broker.catalog(),
+                settings=broker_settings(broker),
+                granted=declarations.granted_now(broker) if decls.permissions else (),
             )
             problems = problems + plan_problems
             if problems:
@@ -107,9 +110,11 @@ class ApplyDeclarationsOperator(BrokerOperator):
 
 
 def plan_lines(the_plan: declarations.Plan) -> list[str]:
-    """The lines ``airflow-broker apply`` prints for a plan: every change, every setting."""
+    """The lines ``airflow-broker apply`` prints for a plan: every change, every setting, every
+    permission entry."""
     lines = [c.describe() for c in the_plan.changes if c.action != "unchanged"]
     lines.extend(s.describe() for s in the_plan.settings)
+    lines.extend(p.describe() for p in the_plan.permissions)
     return lines
 
 

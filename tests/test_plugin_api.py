@@ -67,6 +67,7 @@ GETS = [
     f"/conversations/{NO_SUCH}",
     "/transmission-queue",
     "/routes",
+    "/certificates",
     "/routing-services",
     "/routing-mappings",
     "/events",
@@ -713,3 +714,37 @@ def test_openapi_lists_every_endpoint(api: TestClient) -> None:
     } <= paths
     assert "/probes" in paths and "/queues/{queue}/enable" in paths
     assert "/queues/{queue}/depth-history" in paths
+
+
+def test_certificates_ending_soon_on_the_overview_and_their_list(
+    airflow: Airflow, sqlite_broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dialog security's certificates: those ending within 30 days (or ended) on the overview,
+    every one at /certificates; never a private key."""
+    from airflow_broker.security import crypto
+    from airflow_broker.security import master_key as mk
+
+    monkeypatch.setattr(mk, "registered_master_key_sources", lambda: ())
+    monkeypatch.setenv(crypto.MASTER_KEY_ENV, "test")
+    now = datetime.now(UTC)
+    sqlite_broker.create_certificate("year", owner=BUYER)
+    sqlite_broker.create_certificate("soon", owner=BUYER, expires_at=now + timedelta(days=9))
+    api = client_for(sqlite_broker)
+    [soon] = get(api, airflow, "/overview")["certificates_expiring"]
+    assert (soon["name"], soon["owner"], soon["expired"], soon["has_private_key"]) == (
+        "soon",
+        BUYER,
+        False,
+        True,
+    )
+    assert datetime.fromisoformat(soon["expires_at"]) > now
+    assert "private_key" not in soon and "pem" not in soon
+    assert [c["name"] for c in get(api, airflow, "/certificates")] == ["soon", "year"]
+    listed = get(api, airflow, "/certificates", params={"expiring_within_days": 30})
+    assert [c["name"] for c in listed] == ["soon"]
+    r = api.get(
+        "/broker/api/certificates",
+        params={"expiring_within_days": -1},
+        headers=airflow.headers("viewer"),
+    )
+    assert r.status_code == 422

@@ -9,6 +9,10 @@ deliver, check.
     airflow-broker [--url URL] deliver [--max-messages N] [--retry-now] [--loop SECONDS] [--json]
     airflow-broker [--url URL] check [--repair] [--json]
     airflow-broker [--url URL] reset-identity (--new-broker | --error-conversations | --keep)
+    airflow-broker [--url URL] certificate (create | import | list | export | drop) ...
+    airflow-broker [--url URL] binding (create | alter | list | drop) ...
+    airflow-broker [--url URL] (grant | revoke) (send SERVICE | receive QUEUE) ROLE
+    airflow-broker [--url URL] permissions [--json]
 
 The database is ``--url``, else ``$AIRFLOW_BROKER_URL``, else ``sqlite:///broker.db`` in the
 current directory. Other broker databases that routes name (``broker://NAME``) are resolved by
@@ -22,7 +26,8 @@ a CLI dependency (click or typer would add one for no gain here).
 
 Modules: :mod:`.parser` (the parser and :func:`main`), :mod:`.common`, and one per subcommand
 group: :mod:`.definitions` (migrate, apply), :mod:`.status`, :mod:`.deliver`, :mod:`.check`,
-:mod:`.identity` (reset-identity).
+:mod:`.identity` (reset-identity), :mod:`.certificates` (certificate, binding),
+:mod:`.permissions` (grant, revoke, permissions).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def cmd_apply(args: argparse.Namespace, out: TextIO) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read {path}: {exc}") from exc
     filename = str(args.file)
-    decls, problems = declarations.parse(text)
+    decls, problems = declarations.parse(text, base_dir=path.parent)
 
     url, source = resolve_url(args.url)
     shown = shown_url(url)
@@ -51,11 +51,14 @@ def cmd_apply(args: argparse.Namespace, out: TextIO) -> int:
         try:
             catalog = broker.catalog()
             settings = broker_settings(broker)
+            granted = declarations.granted_now(broker) if decls.permissions else ()
         except Exception:
             if problems:  # ... but a database that does not answer must not hide them.
                 raise declarations.DeclarationsInvalid(filename, problems) from None
             raise
-        the_plan, plan_problems = declarations.plan(decls, catalog, settings=settings)
+        the_plan, plan_problems = declarations.plan(
+            decls, catalog, settings=settings, granted=granted
+        )
         problems = problems + plan_problems
         if problems:
             raise declarations.DeclarationsInvalid(filename, problems)
@@ -73,6 +76,8 @@ def cmd_apply(args: argparse.Namespace, out: TextIO) -> int:
     # Settings are few: each is shown, changed or not, so that the file's intent is visible.
     for setting in the_plan.settings:
         print(f"  {setting.describe()}", file=out)
+    for grant in the_plan.permissions:  # each is shown, as a setting is
+        print(f"  {grant.describe()}", file=out)
     _print_summary(the_plan, out, dry_run=args.dry_run)
     return EXIT_OK
 
@@ -80,7 +85,7 @@ def cmd_apply(args: argparse.Namespace, out: TextIO) -> int:
 def _print_summary(the_plan: declarations.Plan, out: TextIO, *, dry_run: bool) -> None:
     counts = the_plan.counts()
     declared = [s for s in declarations.SECTIONS if sum(counts[s].values())]
-    if not declared and not the_plan.settings:
+    if not declared and not the_plan.settings and not the_plan.permissions:
         print("the file declares nothing", file=out)
         return
     would = "would be " if dry_run else ""
@@ -97,6 +102,10 @@ def _print_summary(the_plan: declarations.Plan, out: TextIO, *, dry_run: bool) -
     if the_plan.settings:
         changed = sum(1 for s in the_plan.settings if s.changed)
         rows.append(["broker settings", "-", str(changed), str(len(the_plan.settings) - changed)])
+    if the_plan.permissions:
+        changed = sum(1 for g in the_plan.permissions if g.changed)
+        total = len(the_plan.permissions)
+        rows.append(["permissions", "-", str(changed), str(total - changed)])
     for line in _table([headers, *rows], right=(1, 2, 3)):
         print(line, file=out)
     if not the_plan.has_changes:

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from airflow_broker.cli import check, identity, purge
+from airflow_broker.cli import certificates, check, identity, permissions, purge
 from airflow_broker.cli.common import (
     DEFAULT_URL,
     ENV_URL,
@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_parser(sub)
     purge.add_parser(sub)
     identity.add_parser(sub)
+    certificates.add_parser(sub)
+    permissions.add_parser(sub)
     return parser
 
 

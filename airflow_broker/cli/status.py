@@ -1,6 +1,6 @@
-"""``status``: queues, settings, whether the database is a copy (``identity``), and what waits
-to leave (transmission queue, in transit), by target service and reason, as a table for people
-or JSON for machines.
+"""``status``: queues, settings, whether the database is a copy (``identity``), what waits
+to leave (transmission queue, in transit), by target service and reason, and the certificates
+ending within 30 days (planning for expiry), as a table for people or JSON for machines.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, TextIO
 
+from airflow_broker.cli.certificates import certificate_table, row_json
 from airflow_broker.cli.common import (
     EXIT_OK,
     _aware,
@@ -24,6 +25,8 @@ from airflow_broker.cli.common import (
     resolve_url,
     shown_url,
 )
+from airflow_broker.security.certificates import EXPIRY_WARNING
+from airflow_broker.security.crypto import format_time
 
 if TYPE_CHECKING:
     from airflow_broker.messaging.objects import QueueStatus, TransitRow, TransmissionSummary
@@ -43,9 +46,11 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
         queues = sorted(broker.queue_status(), key=lambda q: q.name)
         waiting = _from_summary(broker.transmission_summary())
         transit = _from_transit(broker.in_transit())
+        certificates = broker.certificates()
     finally:
         broker.dispose()
     now = datetime.now(UTC)
+    expiring = [c for c in certificates if c.expires_at <= now + EXPIRY_WARNING]
     transmission = sum(w.count for w in waiting)
     in_transit = sum(w.count for w in transit)
     if args.json:
@@ -67,6 +72,7 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
                 "count": in_transit if transit_visible else None,
                 "waiting": [w.to_json(now) for w in transit],
             },
+            "certificates_expiring": [row_json(c) for c in expiring],
         }
         print(json.dumps(doc, indent=2), file=out)
         return EXIT_OK
@@ -129,6 +135,19 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
             print(line, file=out)
     if shortened:
         print("(reasons shortened to fit; --verbose shows them in full)", file=out)
+    # Dialog security's plan for expiry; nothing when it is not used.
+    days = EXPIRY_WARNING.days
+    if expiring:
+        print(f"certificates ending within {days} days or expired: {len(expiring)}", file=out)
+        for line in certificate_table(expiring, now):
+            print(f"  {line}", file=out)
+    elif certificates:
+        count = len(certificates)
+        print(
+            f"certificates: {count}, none ending within {days} days (the first ends "
+            f"{format_time(certificates[0].expires_at)})",
+            file=out,
+        )
     return EXIT_OK
 
 

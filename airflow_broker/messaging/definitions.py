@@ -22,9 +22,12 @@ from airflow_broker.errors import InvalidDefinition, UnknownObject
 from airflow_broker.messaging import failure
 from airflow_broker.messaging.arguments import UNSET, as_name
 from airflow_broker.messaging.events import record_event
+from airflow_broker.messaging.permission_definitions import PermissionDefinitions
 from airflow_broker.messaging.route_definitions import RouteDefinitions, check_address
+from airflow_broker.messaging.security_definitions import SecurityDefinitions
 from airflow_broker.messaging.service_definitions import ServiceDefinitions
 from airflow_broker.messaging.validation import check_definition
+from airflow_broker.security import permissions
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 
@@ -90,14 +93,17 @@ def define(broker: BrokerContext) -> Iterator[Definitions]:
         broker.invalidate_definitions()
 
 
-class Definitions(ServiceDefinitions, RouteDefinitions):
+class Definitions(ServiceDefinitions, RouteDefinitions, SecurityDefinitions, PermissionDefinitions):
     """CREATE / ALTER / DROP of broker objects, all inside one transaction.
 
     Obtained from :meth:`Broker.definitions`; the same verbs on :class:`Broker` each run in a
     transaction of their own. Message types, contracts, queues and the broker's settings are
     here; services in :class:`~airflow_broker.messaging.service_definitions.ServiceDefinitions`,
     routes and priorities in
-    :class:`~airflow_broker.messaging.route_definitions.RouteDefinitions`.
+    :class:`~airflow_broker.messaging.route_definitions.RouteDefinitions`, certificates and
+    remote service bindings in
+    :class:`~airflow_broker.messaging.security_definitions.SecurityDefinitions`, permissions
+    in :class:`~airflow_broker.messaging.permission_definitions.PermissionDefinitions`.
     """
 
     # -- message types -------------------------------------------------------------------------
@@ -371,6 +377,7 @@ class Definitions(ServiceDefinitions, RouteDefinitions):
         e = s.conversation_endpoint
         self._conn.execute(delete(e).where(e.c.queue_id == row.queue_id))
         self._conn.execute(delete(s.queue).where(s.queue.c.queue_id == row.queue_id))
+        permissions.forget_object(self._conn, permissions.RECEIVE, name)
 
     # -- settings ------------------------------------------------------------------------------
     def configure(self, *, forwarding: bool | None = None, principal: bool | None = None) -> None:

@@ -67,6 +67,7 @@ class Ending(TransactionCore):
                 raise InvalidDefinition("END CONVERSATION WITH ERROR needs an error_description")
         scope = dedupe.conversation_scope(h)
         try:
+            self._require_conversations([h])
             if self.broker.dialect == "postgresql":
                 # The lock order: the group (rule 0), then the endpoint FOR UPDATE (rule 3),
                 # which waits for every writer into its queue (they hold KEY SHARE): the
@@ -121,7 +122,7 @@ class Ending(TransactionCore):
         e = s.conversation_endpoint
         self._dirty = True
         if cleanup:
-            self._execute(delete(s.message).where(s.message.c.conversation_handle == h))
+            self._discard_messages(h, row.queue_id)
             self._execute(delete(e).where(e.c.conversation_handle == h))
             log.info("conversation %s removed WITH CLEANUP", h)
             return
@@ -131,7 +132,7 @@ class Ending(TransactionCore):
                 f"({row.state}: {state_desc(row.state)})"
             )
         # Messages of this conversation still in this side's queue go with it.
-        self._execute(delete(s.message).where(s.message.c.conversation_handle == h))
+        self._discard_messages(h, row.queue_id)
         closed = {"state": "CD", "closed_at": now, "timer_due_at": None}
         if error_code is not None:
             self._execute(

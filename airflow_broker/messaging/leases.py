@@ -38,6 +38,7 @@ from airflow_broker.errors import InvalidDefinition, LeaseExpired
 from airflow_broker.messaging.arguments import Handle, as_uuid
 from airflow_broker.messaging.failure import record_failed_attempts
 from airflow_broker.messaging.objects import Message, messages_from_rows
+from airflow_broker.security import permissions
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.adapters import FailedHold
 from airflow_broker.storage.clock import aware, utcnow
@@ -124,6 +125,8 @@ def _locked_lease(broker: BrokerContext, conn: Connection, token: Handle, verb: 
         stmt = stmt.with_for_update()
     row = conn.execute(stmt).first()
     if row is None:
+        if broker.client_role is not None:  # a lease of a queue the role may not RECEIVE from
+            permissions.refuse_lease(conn, broker.client_role, t)
         raise LeaseExpired(
             f"cannot {verb} lease {t}: it is no longer held. It expired (or was released or "
             "completed) and its messages went back to their queue, where another reader may "

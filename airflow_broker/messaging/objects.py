@@ -14,6 +14,7 @@ from typing import Any
 from xml.etree import ElementTree
 
 from airflow_broker.constants import ERROR, ERROR_NAMESPACE, STATE_DESC
+from airflow_broker.security.certificates import Binding, CertificateRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +228,10 @@ class Catalog:
     services: dict[str, ServiceDef]
     routes: dict[str, RouteDef]
     priorities: dict[str, PriorityDef]
+    #: dialog security (seed 004): certificates (never their private keys) and remote service
+    #: bindings, by name
+    certificates: dict[str, CertificateRow] = field(default_factory=dict)
+    remote_service_bindings: dict[str, Binding] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,6 +89,7 @@ class Receiving(TransactionCore):
             raise InvalidDefinition(f"top must be a whole number >= 1, not {top!r}")
         if conversation_handle is not None and conversation_group is not None:
             raise InvalidDefinition("give conversation_handle or conversation_group, not both")
+        self._require_receive(queue)
         q = self._queue(queue)
         params: dict[str, Any] = {
             "queue_id": q.queue_id,
@@ -161,6 +162,7 @@ class Receiving(TransactionCore):
     def get_conversation_group(self, queue: str, wait_seconds: float = 0) -> uuid.UUID | None:
         """GET CONVERSATION GROUP: lock the next group with ready messages and return its id
         (None when there is none within ``wait_seconds``)."""
+        self._require_receive(queue)
         q = self._queue(queue)
         stmt = queries.lock_group_statement(self.broker.dialect)
 
@@ -207,6 +209,8 @@ class Receiving(TransactionCore):
 
     def _due_step(self, *, force: bool) -> None:
         b = self.broker
+        if b.client_role is not None:
+            return  # due work spans every queue: the owner's processes do it (run_due)
         if not force and time.monotonic() < b.next_due_work:
             return
         b.next_due_work = time.monotonic() + DUE_POLL_SECONDS

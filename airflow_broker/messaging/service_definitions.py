@@ -25,6 +25,7 @@ from airflow_broker.errors import InvalidDefinition, UnknownObject
 from airflow_broker.messaging.arguments import as_name
 from airflow_broker.messaging.definitions_core import DefinitionsCore
 from airflow_broker.messaging.ending import Ending
+from airflow_broker.security import permissions
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 
@@ -144,6 +145,7 @@ class ServiceDefinitions(DefinitionsCore):
         )
         self._conn.execute(delete(e).where(e.c.service_name == name, ~waited_on))
         self._conn.execute(delete(s.service).where(s.service.c.name == name))
+        permissions.forget_object(self._conn, permissions.SEND, name)
 
     # -- what ALTER and DROP do to the service's conversations ---------------------------------
     def _lock_conversations(self, name: str) -> None:

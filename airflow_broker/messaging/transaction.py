@@ -112,6 +112,7 @@ class Transaction(Receiving, Ending):
         if dedupe_key is not None:
             dedupe.check_key(dedupe_key)
         as_name(to_service, "target service")
+        self._require_send(to_service)
         if related_conversation is not None and related_conversation_group is not None:
             raise InvalidDefinition(
                 "give related_conversation or related_conversation_group, not both"
@@ -249,6 +250,7 @@ class Transaction(Receiving, Ending):
             raise InvalidDefinition("SEND needs at least one conversation handle")
         if len(set(handle_list)) != len(handle_list):
             raise InvalidDefinition("SEND names the same conversation handle twice")
+        self._require_conversations(handle_list)
         if message_type in SYSTEM_MESSAGE_TYPES:
             raise ContractViolation(
                 f"message type {message_type!r} is a system message type: the broker sends it"
@@ -445,6 +447,7 @@ class Transaction(Receiving, Ending):
             or timeout_seconds < 0
         ):
             raise InvalidDefinition(f"timeout_seconds must be >= 0, not {timeout_seconds!r}")
+        self._require_conversations([h])
         row = self._endpoint_row(h)
         if row.state in ("CD", "ER", "DO"):
             raise ConversationEnded(f"conversation {h} has ended ({row.state}): no timer on it")
@@ -465,6 +468,7 @@ class Transaction(Receiving, Ending):
         ).first()
         if target is None:
             raise UnknownObject(f"conversation group {g} does not exist in this broker")
+        self._require_queue_id(target.queue_id)
         if self.broker.dialect == "postgresql":
             # Both groups first (rule 0 of the lock order), then the endpoint.
             self._lock_groups_of(h, g)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from sqlalchemy import (
     Row,
+    delete,
     select,
 )
 from sqlalchemy.engine import Connection
@@ -28,6 +29,7 @@ from airflow_broker.errors import (
 from airflow_broker.messaging.fast_send import (
     endpoint_statement,
 )
+from airflow_broker.security import permissions
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.adapters import FailedHold, ReceiveLease
 
@@ -67,6 +69,8 @@ class TransactionCore:
         #: the broker.messages_sent / broker.messages_received metrics when this commits
         self._sent = 0
         self._received: dict[str, int] = {}
+        #: a client role's grants, read once per transaction (None: not read yet)
+        self._grants: permissions.Grants | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -149,6 +153,48 @@ class TransactionCore:
     def _execute(self, stmt: Any, params: Any = None) -> Any:
         self._check_open()
         return self.connection.execute(stmt, params)
+
+    # -- permissions (a client role only: the owner is never checked) -------------------------
+    def _client_grants(self) -> permissions.Grants | None:
+        """The grants of the client role this broker connects as, read once per transaction;
+        None for the owner (and on SQLite)."""
+        role = self.broker.client_role
+        if role is None:
+            return None
+        if self._grants is None:
+            self._grants = permissions.grants_of(self.connection, role)
+        return self._grants
+
+    def _require_receive(self, queue: str) -> None:
+        grants = self._client_grants()
+        if grants is not None:
+            grants.require_receive(queue)
+
+    def _require_send(self, service: str) -> None:
+        grants = self._client_grants()
+        if grants is not None:
+            grants.require_send(service)
+
+    def _require_conversations(self, handles: list[uuid.UUID]) -> None:
+        """A client role may SEND on (END) these conversations, or PermissionDenied."""
+        grants = self._client_grants()
+        if grants is not None:
+            permissions.require_conversations(self.connection, grants, handles)
+
+    def _require_queue_id(self, queue_id: int) -> None:
+        """A client role may RECEIVE from the queue with this id (MOVE CONVERSATION)."""
+        grants = self._client_grants()
+        if grants is not None:
+            permissions.require_queue_id(self.connection, grants, queue_id)
+
+    def _discard_messages(self, handle: uuid.UUID, queue_id: int) -> None:
+        """END: the conversation's messages in this side's queue go (a client role that may not
+        RECEIVE from that queue has them removed by the database, which it cannot see)."""
+        grants = self._client_grants()
+        if grants is not None and queue_id not in grants.receive_ids:
+            permissions.discard_messages(self.connection, handle)
+            return
+        self._execute(delete(s.message).where(s.message.c.conversation_handle == handle))
 
     # -- lookups -------------------------------------------------------------------------------
     def _queue(self, name: str) -> Any:

@@ -28,6 +28,8 @@ from airflow_broker.messaging.objects import (
     TransmissionSummary,
     message_from_row,
 )
+from airflow_broker.security import certificates as certificate_store
+from airflow_broker.security import permissions
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 from airflow_broker.storage.context import BrokerContext
@@ -90,6 +92,8 @@ def catalog(broker: BrokerContext) -> Catalog:
                 )
                 for r in conn.execute(select(s.priority))
             },
+            certificates={c.name: c for c in certificate_store.certificates(conn)},
+            remote_service_bindings={b.name: b for b in certificate_store.bindings(conn)},
         )
 
 
@@ -302,6 +306,8 @@ def peek(
     """
     handle = check_peek(top, offset, conversation_handle)
     with broker.engine.connect() as conn:
+        if broker.client_role is not None:  # a client role peeks where it may RECEIVE
+            permissions.grants_of(conn, broker.client_role).require_receive(queue)
         queue_id = peek_queue(conn, queue).queue_id
         return peek_on(conn, queue_id, top=top, offset=offset, handle=handle)
 

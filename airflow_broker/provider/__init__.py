@@ -18,7 +18,10 @@ With ``hooks/``, ``operators/`` and ``sensors/`` (installed as ``airflow_broker.
 - :mod:`~airflow_broker.provider.plugin`: the ``/broker`` API and the page in the Airflow UI.
 
 Address resolution through Airflow connections reaches the engine as a resolver registered by
-entry point (``airflow_broker.address_resolvers``), never by an import from the engine.
+entry point (``airflow_broker.address_resolvers``), never by an import from the engine; so does
+dialog security's master key, read from the Airflow Variable / secret
+``airflow_broker_master_key`` by :mod:`~airflow_broker.provider.master_key` (entry point
+``airflow_broker.master_key_sources``).
 """
 
 from airflow_broker.provider.info import CONNECTION_FORM, get_provider_info

@@ -43,6 +43,7 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, Engine
 
 from airflow_broker.storage.clock import utcnow
+from airflow_broker.storage.roles import RoleSession
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,15 @@ class PostgresAdapter:
         self._lock = threading.Lock()
         self._idle_listeners: list[Any] = []
         self._side: Any = None
+        #: owner or client role (storage.roles): a client role's connections see the views
+        self.roles = RoleSession()
         event.listen(engine, "connect", self._on_connect)
+        event.listen(engine, "connect", self.roles.on_connect)
+
+    @property
+    def client_role(self) -> str | None:
+        """The role's name when it is a client role (not the owner), else None."""
+        return self.roles.client
 
     @staticmethod
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -145,7 +154,9 @@ class PostgresAdapter:
         _args, cparams = self._engine.dialect.create_connect_args(self._engine.url)
         params: dict[str, Any] = {k: v for k, v in cparams.items() if k != "client_encoding"}
         params.update(kwargs)
-        return psycopg.connect(autocommit=True, **params)
+        conn = psycopg.connect(autocommit=True, **params)
+        self.roles.on_raw_connect(conn)
+        return conn
 
     @contextlib.contextmanager
     def _side_connection(self) -> Iterator[Any]:
@@ -348,6 +359,8 @@ class SqliteAdapter:
 
     dialect = "sqlite"
     POLL_SECONDS = 0.02
+    #: every connection may do everything: no client roles
+    client_role: str | None = None
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine

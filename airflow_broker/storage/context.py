@@ -20,7 +20,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import OperationalError, ProgrammingError
 from sqlalchemy.pool import StaticPool
 
-from airflow_broker.errors import BrokerError
+from airflow_broker.errors import BrokerError, PermissionDenied
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.adapters import PostgresAdapter, SqliteAdapter, adapter_for
 from airflow_broker.storage.clock import utcnow
@@ -82,6 +82,13 @@ class BrokerContext:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.engine.url.render_as_string(hide_password=True)!r})"
 
+    @property
+    def client_role(self) -> str | None:
+        """PostgreSQL: the database role this broker connects as, when it is a client role (one
+        granted SEND and RECEIVE, working through the views of :mod:`~airflow_broker.storage.roles`)
+        rather than the owner; None for the owner and on SQLite. Known once a connection opened."""
+        return self.adapter.client_role
+
     def dispose(self) -> None:
         """Close every connection this broker holds."""
         self.adapter.dispose()
@@ -111,6 +118,11 @@ class BrokerContext:
             except (OperationalError, ProgrammingError) as exc:
                 if "broker_instance" not in str(exc.orig):
                     raise
+                if getattr(exc.orig, "sqlstate", None) == "42501":  # insufficient_privilege
+                    raise PermissionDenied(
+                        f"role {self.client_role!r} holds no permission in {self!r} (neither "
+                        "SEND on a service nor RECEIVE on a queue: grant_send, grant_receive)"
+                    ) from exc
                 raise BrokerError(
                     f"{self!r} has no broker tables: run Broker.migrate() "
                     "(or `airflow-broker migrate`)"

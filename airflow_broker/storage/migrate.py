@@ -16,6 +16,7 @@ from airflow_broker.constants import (
     DEFAULT,
     MISSING_ROUTE,
 )
+from airflow_broker.storage import client_schema
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.identity import record_fingerprint
@@ -68,6 +69,9 @@ def migrate_on(conn: Connection) -> None:
                 )
             )
     _insert_missing(conn, s.route.c.name, AUTO_CREATED_LOCAL, address="LOCAL", created_at=now)
+    # PostgreSQL: the views client roles work through, for the tables as they are now (the
+    # migrations dropped them), granted again to the roles holding permissions.
+    client_schema.rebuild(conn)
 
 
 __all__ = ["migrate_on"]

@@ -13,7 +13,8 @@ Three steps, each a module of this package (the declared objects and the plan ar
    nor in the database, and contracts (or system objects) that exist with another definition,
    which cannot be changed in place, are more problems; everything else becomes a
    :class:`Change` (create, alter with the object's ALTER verb, or unchanged), and each
-   ``broker:`` setting a :class:`SettingChange` against the current value.
+   ``broker:`` setting a :class:`SettingChange` against the current value, each ``permissions:``
+   entry a :class:`PermissionChange` (grant or revoke) against what is granted now.
 3. :func:`apply_plan` runs the changes against a ``broker.definitions()`` transaction, in
    dependency order, so that the whole file lands or nothing does.
 
@@ -23,7 +24,7 @@ transaction.
 
 from __future__ import annotations
 
-from airflow_broker.operations.declarations.apply import apply_declarations, apply_plan
+from airflow_broker.operations.declarations.apply import apply_declarations, apply_plan, granted_now
 from airflow_broker.operations.declarations.model import (
     ADDRESS_ENV_PREFIX,
     ADDRESS_KEYWORDS,
@@ -37,12 +38,16 @@ from airflow_broker.operations.declarations.model import (
     SECTIONS,
     SETTING_WORDS,
     Action,
+    BindingDecl,
+    CertificateDecl,
     Change,
     ContractDecl,
     Decl,
     Declarations,
     DeclarationsInvalid,
     MessageTypeDecl,
+    PermissionChange,
+    PermissionDecl,
     Plan,
     PriorityDecl,
     Problem,
@@ -68,12 +73,16 @@ __all__ = [
     "SECTIONS",
     "SETTING_WORDS",
     "Action",
+    "BindingDecl",
+    "CertificateDecl",
     "Change",
     "ContractDecl",
     "Decl",
     "Declarations",
     "DeclarationsInvalid",
     "MessageTypeDecl",
+    "PermissionChange",
+    "PermissionDecl",
     "Plan",
     "PriorityDecl",
     "Problem",
@@ -84,6 +93,7 @@ __all__ = [
     "SettingChange",
     "apply_declarations",
     "apply_plan",
+    "granted_now",
     "parse",
     "plan",
 ]

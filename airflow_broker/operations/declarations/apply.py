@@ -4,11 +4,15 @@ transaction; :func:`apply_declarations` runs the three steps on a broker.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow_broker.messaging.definitions import Activation, Definitions, define
 from airflow_broker.operations.declarations.model import (
     QUEUE_LATE_SETTINGS,
+    BindingDecl,
+    CertificateDecl,
     ContractDecl,
     DeclarationsInvalid,
     MessageTypeDecl,
@@ -20,6 +24,7 @@ from airflow_broker.operations.declarations.model import (
 from airflow_broker.operations.declarations.parse import parse
 from airflow_broker.operations.declarations.plan import plan
 from airflow_broker.operations.observation import catalog
+from airflow_broker.security.permissions import permissions as permission_store
 
 if TYPE_CHECKING:
     from airflow_broker.storage.context import BrokerContext
@@ -66,6 +71,22 @@ def apply_plan(p: Plan, d: Definitions) -> None:
                 mirror_address=decl.mirror_address,
                 lifetime_seconds=decl.lifetime_seconds,
             )
+        elif isinstance(decl, CertificateDecl):
+            if decl.pem is None:
+                d.create_certificate(
+                    decl.name, owner=decl.owner, subject=decl.subject, expires_at=decl.expires_at
+                )
+            else:
+                d.import_certificate(
+                    decl.name, decl.pem, owner=decl.owner, private_key_pem=decl.private_key_pem
+                )
+        elif isinstance(decl, BindingDecl):
+            d.create_remote_service_binding(
+                decl.name,
+                service=decl.service,
+                certificate=decl.certificate,
+                anonymous=decl.anonymous,
+            )
         else:
             d.create_priority(
                 decl.name,
@@ -79,6 +100,20 @@ def apply_plan(p: Plan, d: Definitions) -> None:
     changed = {s.name: s.new for s in p.settings if s.changed}
     if changed:
         d.configure(**changed)
+    for grant in p.permissions:
+        if grant.changed:
+            _PERMISSION_VERBS[grant.decl.permission, grant.decl.grant](
+                d, grant.decl.object_name, grant.decl.role
+            )
+
+
+#: The verb of each permission entry: (permission, grant?) -> Definitions' method.
+_PERMISSION_VERBS: dict[tuple[str, bool], Callable[[Definitions, str, str], bool]] = {
+    ("SEND", True): Definitions.grant_send,
+    ("SEND", False): Definitions.revoke_send,
+    ("RECEIVE", True): Definitions.grant_receive,
+    ("RECEIVE", False): Definitions.revoke_receive,
+}
 
 
 #: The ALTER verb of each section whose changes the plan gives as arguments.
@@ -87,6 +122,7 @@ _ALTER = {
     "services": "alter_service",
     "routes": "alter_route",
     "priorities": "alter_priority",
+    "remote_service_bindings": "alter_remote_service_binding",
 }
 
 
@@ -100,19 +136,32 @@ def _with_activation(settings: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
-def apply_declarations(broker: BrokerContext, text: str, name: str) -> list[str]:
+def granted_now(broker: BrokerContext) -> list[tuple[str, str, str]] | None:
+    """The permissions held now, as :func:`~.plan.plan` takes them (None on SQLite)."""
+    if broker.dialect != "postgresql":
+        return None
+    with broker.engine.connect() as conn:
+        return [(p.permission, p.object_name, p.grantee) for p in permission_store(conn)]
+
+
+def apply_declarations(
+    broker: BrokerContext, text: str, name: str, *, base_dir: Path | None = None
+) -> list[str]:
     """Make ``broker`` match the declarations file ``text`` (the ``airflow-broker apply``
     format), in one transaction; returns what changed (nothing when it already matches).
 
     :param name: how problems name the file (``FILE:LINE: message``).
+    :param base_dir: where files the declarations name are read from (certificates' PEM).
     """
-    decls, problems = parse(text)
+    decls, problems = parse(text, base_dir=base_dir)
     if problems:
         raise DeclarationsInvalid(name, problems)
-    the_plan, problems = plan(decls, catalog(broker))
+    granted = granted_now(broker) if decls.permissions else ()
+    the_plan, problems = plan(decls, catalog(broker), granted=granted)
     if problems:
         raise DeclarationsInvalid(name, problems)
     changes = [c.describe() for c in the_plan.changes if c.action != "unchanged"]
+    changes += [p.describe() for p in the_plan.permissions if p.changed]
     if the_plan.has_changes:
         with define(broker) as d:
             apply_plan(the_plan, d)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Final, Literal, TypeVar
 
 from airflow_broker.errors import InvalidDefinition
@@ -16,7 +17,16 @@ FORMAT_VERSION: Final = 1
 
 
 #: The sections of a file, in the order their objects are created (each may name the ones before).
-SECTIONS: Final = ("message_types", "contracts", "queues", "services", "routes", "priorities")
+SECTIONS: Final = (
+    "message_types",
+    "contracts",
+    "queues",
+    "services",
+    "routes",
+    "priorities",
+    "certificates",
+    "remote_service_bindings",
+)
 
 
 #: How each section's objects are called in messages.
@@ -27,6 +37,8 @@ KIND: Final = {
     "services": "service",
     "routes": "route",
     "priorities": "priority",
+    "certificates": "certificate",
+    "remote_service_bindings": "remote service binding",
 }
 
 
@@ -201,10 +213,96 @@ class PriorityDecl:
     refs: tuple[Ref, ...] = ()
 
 
-Decl = MessageTypeDecl | ContractDecl | QueueDecl | ServiceDecl | RouteDecl | PriorityDecl
+@dataclass(frozen=True, slots=True)
+class CertificateDecl:
+    """A certificate: created (a new key pair) when the file gives no ``pem``, else imported.
+    The private key's text is never shown (``repr`` leaves it out; plans never name it)."""
+
+    name: str
+    line: int
+    owner: str
+    subject: str | None = None
+    expires_at: datetime | None = None
+    #: the certificate of an import (from ``pem`` or ``pem_file``), and its fingerprint
+    pem: str | None = None
+    fingerprint: str | None = None
+    private_key_pem: str | None = field(default=None, repr=False)
+
+    @property
+    def refs(self) -> tuple[Ref, ...]:
+        return ()
 
 
-_D = TypeVar("_D", MessageTypeDecl, ContractDecl, QueueDecl, ServiceDecl, RouteDecl, PriorityDecl)
+@dataclass(frozen=True, slots=True)
+class BindingDecl:
+    """A remote service binding: far ``service`` is reached with ``certificate``."""
+
+    name: str
+    line: int
+    service: str
+    certificate: str
+    anonymous: bool = False
+    refs: tuple[Ref, ...] = ()
+
+
+Decl = (
+    MessageTypeDecl
+    | ContractDecl
+    | QueueDecl
+    | ServiceDecl
+    | RouteDecl
+    | PriorityDecl
+    | CertificateDecl
+    | BindingDecl
+)
+
+
+_D = TypeVar(
+    "_D",
+    MessageTypeDecl,
+    ContractDecl,
+    QueueDecl,
+    ServiceDecl,
+    RouteDecl,
+    PriorityDecl,
+    CertificateDecl,
+    BindingDecl,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PermissionDecl:
+    """One entry of ``permissions:`` for one role: ``{send: SERVICE, to: ROLE}`` grants SEND on a
+    service, ``{receive: QUEUE, to: ROLE}`` RECEIVE on a queue; ``from:`` instead of ``to:``
+    revokes it (:mod:`.permissions`)."""
+
+    #: "SEND" or "RECEIVE"
+    permission: str
+    object_name: str
+    role: str
+    grant: bool
+    line: int
+
+    def describe(self) -> str:
+        kind = "service" if self.permission == "SEND" else "queue"
+        way = "to" if self.grant else "from"
+        return f"permission {self.permission} on {kind} {self.object_name} {way} role {self.role}"
+
+
+@dataclass(frozen=True, slots=True)
+class PermissionChange:
+    """What applying one permission entry does: grant or revoke it, or nothing."""
+
+    decl: PermissionDecl
+    changed: bool
+
+    def describe(self) -> str:
+        if not self.changed:
+            held = "granted already" if self.decl.grant else "not granted"
+            return f"= {self.decl.describe()}: unchanged ({held})"
+        if self.decl.grant:
+            return f"+ {self.decl.describe()}: granted"
+        return f"- {self.decl.describe()}: revoked"
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,9 +315,13 @@ class Declarations:
     services: tuple[ServiceDecl, ...] = ()
     routes: tuple[RouteDecl, ...] = ()
     priorities: tuple[PriorityDecl, ...] = ()
+    certificates: tuple[CertificateDecl, ...] = ()
+    remote_service_bindings: tuple[BindingDecl, ...] = ()
     #: ``broker: {forwarding: ..., principal: ...}``: the settings the file gives, and their lines.
     settings: dict[str, bool] = field(default_factory=dict)
     setting_lines: dict[str, int] = field(default_factory=dict)
+    #: ``permissions:``: grants and revokes, one per role, in file order.
+    permissions: tuple[PermissionDecl, ...] = ()
     #: Names declared per section, even by entries that had other problems: a reference to such a
     #: name is not reported again as unknown.
     declared: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -296,11 +398,15 @@ class Plan:
 
     changes: tuple[Change, ...]
     settings: tuple[SettingChange, ...] = ()
+    #: grants and revokes, applied after every object
+    permissions: tuple[PermissionChange, ...] = ()
 
     @property
     def has_changes(self) -> bool:
-        return any(c.action != "unchanged" for c in self.changes) or any(
-            s.changed for s in self.settings
+        return (
+            any(c.action != "unchanged" for c in self.changes)
+            or any(s.changed for s in self.settings)
+            or any(p.changed for p in self.permissions)
         )
 
     def counts(self) -> dict[str, dict[str, int]]:

@@ -13,10 +13,13 @@ from typing import Any, Literal
 from airflow_broker.constants import DEFAULT
 from airflow_broker.messaging.definitions import Activation
 from airflow_broker.messaging.objects import Catalog
+from airflow_broker.operations.declarations import permissions, security
 from airflow_broker.operations.declarations.model import (
     KIND,
     SECTIONS,
     Action,
+    BindingDecl,
+    CertificateDecl,
     Change,
     ContractDecl,
     Decl,
@@ -29,7 +32,7 @@ from airflow_broker.operations.declarations.model import (
     ServiceDecl,
     SettingChange,
 )
-from airflow_broker.operations.declarations.parse import _suggest
+from airflow_broker.operations.declarations.reader import _suggest
 
 
 def _show(value: Any) -> str:
@@ -63,12 +66,14 @@ def plan(
     *,
     now: datetime | None = None,
     settings: Mapping[str, bool] | None = None,
+    granted: Iterable[tuple[str, str, str]] | None = (),
 ) -> tuple[Plan, list[Problem]]:
     """Compare the declarations with the database. Returns the plan and the problems found.
 
     ``settings`` are the broker's current settings (``forwarding``, ``principal``: the columns of
     ``broker_instance``); a setting the file gives and ``settings`` lacks is planned as a change
-    from ``unknown``.
+    from ``unknown``. ``granted``: the permissions held now, ``(permission, object, role)``
+    (``Broker.permissions()``); None on SQLite, where a ``permissions`` entry is a problem.
 
     Problems: references that resolve neither in the file nor in the database, and contracts
     that exist with a different definition (conversations begun on a contract depend on its
@@ -77,7 +82,9 @@ def plan(
     ALTER verb, in what differs: a queue in the keys the file gives (ALTER QUEUE); a message
     type's validation (ALTER MESSAGE TYPE: messages sent from then on); a service's queue,
     which its conversations move to, and its contracts (ALTER SERVICE); a route's fields (ALTER
-    ROUTE); a priority's (ALTER BROKER PRIORITY: conversations begun from then on).
+    ROUTE); a priority's (ALTER BROKER PRIORITY: conversations begun from then on); a remote
+    service binding's certificate and anonymity (ALTER REMOTE SERVICE BINDING). Certificates, like
+    contracts, cannot change in place (see :mod:`.security` for what else is checked of them).
     """
     now = now or datetime.now(UTC)
     problems: list[Problem] = []
@@ -88,6 +95,8 @@ def plan(
         "services": catalog.services,
         "routes": catalog.routes,
         "priorities": catalog.priorities,
+        "certificates": catalog.certificates,
+        "remote_service_bindings": catalog.remote_service_bindings,
     }
 
     for section, name, ref in decls.refs:
@@ -101,6 +110,10 @@ def plan(
                 f"neither in this file nor in the database{_suggest(ref.name, known)}",
             )
         )
+
+    problems.extend(security.plan_problems(decls, catalog, now))
+    permission_changes, permission_problems = permissions.plan(decls, catalog, granted)
+    problems.extend(permission_problems)
 
     current_settings = settings or {}
     setting_changes = tuple(
@@ -137,7 +150,7 @@ def plan(
                 )
                 continue
             changes.append(Change(section, decl, action, differences, arguments))
-    return Plan(tuple(changes), setting_changes), problems
+    return Plan(tuple(changes), setting_changes, permission_changes), problems
 
 
 Compared = tuple[Action | Literal["refuse"], tuple[str, ...], dict[str, Any]]
@@ -146,6 +159,8 @@ Compared = tuple[Action | Literal["refuse"], tuple[str, ...], dict[str, Any]]
 def _compare(decl: Decl, current: Any, now: datetime) -> Compared:
     """What differs between ``decl`` and the database's ``current``, and the arguments of the
     ALTER verb that makes them equal."""
+    if isinstance(decl, CertificateDecl | BindingDecl):
+        return security.compare(decl, current)
     if isinstance(decl, MessageTypeDecl):
         differences = _diff(
             [

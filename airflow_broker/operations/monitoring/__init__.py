@@ -9,8 +9,10 @@ Observation
     written by :mod:`airflow_broker.operations.sampling`), :func:`services`, :func:`contracts`,
     :func:`conversation_states`, :func:`conversations` / :func:`conversation`,
     :func:`transmission_queue`, :func:`routes`, :func:`routing_services`,
-    :func:`routing_mappings`, :func:`events`, a queue's :func:`waiting_messages` (a peek: nothing
-    received or locked, each body previewed by :func:`body_preview`) and its failure-handling
+    :func:`routing_mappings`, :func:`events`, :func:`certificates` (dialog security's, ending
+    soonest first; the overview lists those ending within 30 days), a queue's
+    :func:`waiting_messages` (a peek: nothing received or locked, each body previewed by
+    :func:`body_preview`) and its failure-handling
     :func:`queue_events` (dead-lettered, disabled, re-enabled). Lists that grow with traffic
     (conversations, the transmission queue, routing mappings, events, waiting messages) are
     pages (:class:`Page`): ``limit`` (at most :data:`MAX_LIMIT`) and ``offset``, counted and read
@@ -95,7 +97,7 @@ from airflow_broker.operations.monitoring.models import (
     check_page,
     to_json,
 )
-from airflow_broker.operations.monitoring.overview import events, overview
+from airflow_broker.operations.monitoring.overview import certificates, events, overview
 from airflow_broker.operations.monitoring.probes import probe, start_probe
 from airflow_broker.operations.monitoring.queues import (
     contracts,
@@ -150,6 +152,7 @@ __all__ = [
     "WaitingPage",
     "WaitingSummary",
     "body_preview",
+    "certificates",
     "check_page",
     "contracts",
     "conversation",

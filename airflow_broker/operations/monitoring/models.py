@@ -23,6 +23,7 @@ from airflow_broker.errors import (
 )
 from airflow_broker.messaging.arguments import as_name
 from airflow_broker.operations.sampling import DepthSample
+from airflow_broker.security.certificates import CertificateRow
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware
 
@@ -351,6 +352,9 @@ class Overview:
     #: one-line summary ("no problems", or how many of which kinds); None when never run
     last_check_at: datetime | None = None
     last_check: str | None = None
+    #: certificates ending within 30 days (``EXPIRY_WARNING``) or already past their end, the
+    #: one ending first first: plan their renewal (dialog security)
+    certificates_expiring: list[CertificateRow] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,10 @@
-"""The broker as a whole (:func:`overview`) and its event log (:func:`events`)."""
+"""The broker as a whole (:func:`overview`), its event log (:func:`events`) and its certificates
+(:func:`certificates`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
@@ -10,6 +12,7 @@ from sqlalchemy import func, select
 from airflow_broker.constants import STATUS_READY
 from airflow_broker.errors import (
     BrokerError,
+    InvalidDefinition,
 )
 from airflow_broker.messaging.objects import BrokerEvent
 from airflow_broker.operations.check import EVENT as CHECK_EVENT
@@ -26,6 +29,8 @@ from airflow_broker.operations.monitoring.models import (
     _ts,
     check_page,
 )
+from airflow_broker.security import certificates as certificate_store
+from airflow_broker.security.certificates import EXPIRY_WARNING
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware
 
@@ -90,6 +95,7 @@ def overview(broker: BrokerContext) -> Overview:
             select(func.count()).select_from(_ev).where(_poison_filter())
         ).scalar_one()
         states = _state_counts(conn)
+        expiring = certificate_store.certificates(conn, expiring_within=EXPIRY_WARNING)
         last_check = conn.execute(
             select(_ev.c.occurred_at, _ev.c.detail)
             .where(_ev.c.event == CHECK_EVENT)
@@ -116,4 +122,20 @@ def overview(broker: BrokerContext) -> Overview:
         poison_events=int(poison),
         last_check_at=_ts(last_check.occurred_at) if last_check else None,
         last_check=last_check.detail if last_check else None,
+        certificates_expiring=expiring,
     )
+
+
+def certificates(broker: BrokerContext, *, expiring_within_days: int | None = None) -> list[Any]:
+    """Dialog security's certificates (never a private key), the one ending first first; with
+    ``expiring_within_days``, only those ending within that many days (expired ones included)."""
+    within = None
+    if expiring_within_days is not None:
+        if not isinstance(expiring_within_days, int) or not 0 <= expiring_within_days <= 36500:
+            raise InvalidDefinition(
+                f"expiring_within_days must be a whole number of days from 0 to 36500, not "
+                f"{expiring_within_days!r}"
+            )
+        within = timedelta(days=expiring_within_days)
+    with broker.engine.connect() as conn:
+        return list(certificate_store.certificates(conn, expiring_within=within))

@@ -27,6 +27,9 @@ Reading (GET)::
     /api/transmission-queue            paged, each message with why it waits; ?conversation_handle=
                                        &to_service= ; plus the queue counted by service and reason
     /api/routes                        routes, with expiry
+    /api/certificates                  dialog security's certificates (never a private key), the
+                                       one ending first first; ?expiring_within_days= (the
+                                       overview lists those ending within 30 days)
     /api/routing-services              data-dependent routing services
     /api/routing-mappings              paged inbound -> outbound mappings; ?routing_service=
                                        &target_service=
@@ -368,6 +371,16 @@ def create_app(*, broker_conn_id: str = DEFAULT_CONN_ID, broker: Broker | None =
     @api.get("/routes", summary="Routes")
     def routes(broker: BrokerDep) -> Any:
         return _json(mon.routes(broker))
+
+    @api.get("/certificates", summary="Dialog security's certificates, ending first first")
+    def certificates(
+        broker: BrokerDep,
+        expiring_within_days: Annotated[
+            int | None,
+            Query(ge=0, le=36500, description="only those ending within this many days"),
+        ] = None,
+    ) -> Any:
+        return _json(mon.certificates(broker, expiring_within_days=expiring_within_days))
 
     @api.get("/routing-services", summary="Data-dependent routing services")
     def routing_services(broker: BrokerDep) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
+from airflow_broker.storage import client_schema
 from airflow_broker.storage.migrations import VERSION_TABLE
 from airflow_broker.storage.schema import metadata
 
@@ -26,6 +27,9 @@ def run_migrations_online() -> None:
         transaction_per_migration=False,
     )
     with context.begin_transaction():
+        # The client roles' views (derived state) would keep a column from changing; migrate_on
+        # creates them again for the new tables (storage.client_schema).
+        client_schema.drop(connection)
         context.run_migrations()
 
 

@@ -338,8 +338,37 @@
         o.last_check_at ? `${age(ageSince(o.last_check_at))} ago` : "never",
         o.last_check_at ? o.last_check : "run airflow-broker check",
         !o.last_check_at ? "" : o.last_check === "no problems" ? "ok" : "bad"
-      )
+      ),
+      certificatesCard(o.certificates_expiring || [], card)
     );
+    renderCertificatesExpiring(o.certificates_expiring || []);
+  }
+
+  /** Dialog security's certificates that end within 30 days, or have ended. */
+  function certificatesCard(certs, card) {
+    const expired = certs.filter((c) => c.expired).length;
+    const next = certs.find((c) => !c.expired);
+    const note = [
+      expired ? `${expired} expired` : "",
+      next ? `next: ${next.name} on ${new Date(next.expires_at).toLocaleDateString()}` : "",
+    ].filter(Boolean).join(" · ");
+    return card("Certificates ending", certs.length, note || "none within 30 days",
+      expired ? "bad" : certs.length ? "warn" : "");
+  }
+
+  function renderCertificatesExpiring(certs) {
+    $("#certificates-expiring").hidden = certs.length === 0;
+    const rows = certs.map((c) =>
+      h("tr", { "data-certificate": c.name, class: c.expired ? "disabled" : "" },
+        h("th", { scope: "row", title: `subject ${c.subject} · fingerprint ${c.fingerprint}` }, c.name),
+        h("td", null, c.owner),
+        h("td", null, when(c.expires_at)),
+        h("td", null, c.expired
+          ? badge("EXPIRED", "bad")
+          : badge(`in ${Math.max(0, Math.floor((new Date(c.expires_at) - Date.now()) / 86400000))} days`, "warn")),
+        h("td", null, c.has_private_key ? "yes" : "no"))
+    );
+    fill($("#certificates-table tbody"), rows, 5, "None.");
   }
 
   function renderQueues(queues) {
