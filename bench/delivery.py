@@ -42,7 +42,15 @@ Before every timed part the databases are ``VACUUM ANALYZE``d (the dev server ru
 autovacuum off) and a ``CHECKPOINT`` is taken, so no part pays for the previous one's writes.
 The table shows each method's median round; the target line is
 ``target delivery_vs_copy: RATIO (goal >= 0.25)`` with RATIO = broker median msgs/s / floor
-median msgs/s. The scratch databases are dropped at the end, also on error.
+median msgs/s.
+
+Secure dialogs (seed 004's dialog security), in every round beside the plain run: a second pair
+of templates where B's target service has a certificate, A imports it and binds the target
+service to it, A's initiator service has a certificate that B imports, and the dialogs are
+begun with ``encryption=True``: each dialog's session key is agreed at SEND (untimed, in the
+load) and every body is sealed; ``deliver()`` carries the key exchanges, B checks them and
+opens every body. ``target secure_delivery_vs_plain: RATIO (goal >= 0.7)`` is the secure
+median msgs/s over the plain one. The scratch databases are dropped at the end, also on error.
 
 Why a quarter of the floor: per batch the copy writes the rows once and deletes them once. The
 broker does that too, and on top: a target endpoint and conversation group for every new dialog,
@@ -57,6 +65,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import sys
@@ -70,6 +79,8 @@ import psycopg
 from bench import _delivery_floor as floor
 from bench._scratch import Database, ScratchServer, quiesce
 
+MASTER_KEY_ENV = "AIRFLOW_BROKER_MASTER_KEY"
+
 if TYPE_CHECKING:
     from airflow_broker import Broker
 
@@ -80,6 +91,9 @@ TARGET = "//bench/Target"
 INITIATOR_QUEUE = "bench_initiator_q"
 TARGET_QUEUE = "bench_target_q"
 BROKER = "airflow-broker deliver()"
+SECURE = "deliver(), secure dialogs"
+SECURE_TARGET = "secure_delivery_vs_plain"
+SECURE_GOAL = 0.7
 #: 200 bytes, not all alike
 BODY = (b"bench-delivery:" + bytes(range(32, 127)) * 3)[:200]
 #: a deliver() loop that takes longer than this is reported as stuck
@@ -136,9 +150,11 @@ def _count(conn: psycopg.Connection, query: str) -> int:
     return int(row[0])
 
 
-def _define(a: Broker, b: Broker) -> None:
-    """B hosts the target and routes the initiator to ``broker://a``; A the other way round."""
+def _define(a: Broker, b: Broker, *, secure: bool = False) -> None:
+    """B hosts the target and routes the initiator to ``broker://a``; A the other way round;
+    ``secure``: with dialog security from A's initiator service to B's target service."""
     from airflow_broker import DEFAULT
+    from airflow_broker.security.certificates import certificate_pem
 
     with b.definitions() as d:
         d.create_queue(TARGET_QUEUE)
@@ -148,14 +164,26 @@ def _define(a: Broker, b: Broker) -> None:
         d.create_queue(INITIATOR_QUEUE)
         d.create_service(INITIATOR, queue=INITIATOR_QUEUE, contracts=[DEFAULT])
         d.create_route("bench_to_target", service_name=TARGET, address="broker://b")
+    if secure:
+        b.create_certificate("bench_target", owner=TARGET)
+        a.create_certificate("bench_initiator", owner=INITIATOR)
+        with a.engine.connect() as ca, b.engine.connect() as cb:
+            target_pem = certificate_pem(cb, "bench_target")
+            initiator_pem = certificate_pem(ca, "bench_initiator")
+        a.import_certificate("bench_target_public", target_pem, owner=TARGET)
+        a.create_remote_service_binding(
+            "bench_to_target", service=TARGET, certificate="bench_target_public"
+        )
+        b.import_certificate("bench_initiator_public", initiator_pem, owner=INITIATOR)
 
 
-def _load(a: Broker, dialogs: int, messages: int, send_batch: int) -> None:
+def _load(a: Broker, dialogs: int, messages: int, send_batch: int, secure: bool) -> None:
     """Begin ``dialogs`` dialogs on A and send ``messages`` messages on each, in batches."""
     for first in range(0, dialogs, send_batch):
         with a.transaction() as tx:
             handles = [
-                tx.begin_dialog(INITIATOR, TARGET) for _ in range(min(send_batch, dialogs - first))
+                tx.begin_dialog(INITIATOR, TARGET, encryption=secure)
+                for _ in range(min(send_batch, dialogs - first))
             ]
             for _ in range(messages):
                 tx.send(handles, body=BODY)
@@ -175,13 +203,17 @@ class Loaded:
     every round starts from the same undelivered messages in new databases.
     """
 
-    def __init__(self, server: ScratchServer, args: argparse.Namespace) -> None:
+    def __init__(
+        self, server: ScratchServer, args: argparse.Namespace, *, secure: bool = False
+    ) -> None:
         from airflow_broker import Broker
 
         self.server = server
+        self.secure = secure
         self.total = args.dialogs * args.messages
-        self.db_a = server.create("template0", "delivery", "tpl", "a")
-        self.db_b = server.create("template0", "delivery", "tpl", "b")
+        label = "stpl" if secure else "tpl"
+        self.db_a = server.create("template0", "delivery", label, "a")
+        self.db_b = server.create("template0", "delivery", label, "b")
         resolver = {"a": self.db_a.sqlalchemy_url, "b": self.db_b.sqlalchemy_url}
         a = Broker.connect(self.db_a.sqlalchemy_url, resolver=resolver)
         b = Broker.connect(self.db_b.sqlalchemy_url, resolver=resolver)
@@ -191,9 +223,9 @@ class Loaded:
             self.instance_ids = (a.instance_id, b.instance_id)
             if self.instance_ids[0] == self.instance_ids[1]:
                 raise RuntimeError("A and B have the same broker instance id")
-            _define(a, b)
+            _define(a, b, secure=secure)
             start = time.perf_counter()
-            _load(a, args.dialogs, args.messages, args.send_batch)
+            _load(a, args.dialogs, args.messages, args.send_batch, secure)
             self.load_rate = self.total / (time.perf_counter() - start)
         finally:
             a.dispose()
@@ -203,9 +235,10 @@ class Loaded:
             raise RuntimeError(
                 f"load: {waiting} messages in A's transmission queue, not {self.total}"
             )
-        snap = floor.prepare(self.db_a, self.db_b)
-        if snap != self.total:
-            raise RuntimeError(f"snapshot holds {snap} rows, not {self.total}")
+        if not secure:
+            snap = floor.prepare(self.db_a, self.db_b)
+            if snap != self.total:
+                raise RuntimeError(f"snapshot holds {snap} rows, not {self.total}")
         quiesce(self.db_a, self.db_b)
 
 
@@ -308,6 +341,21 @@ class Pair:
         finally:
             for db in self.dbs:
                 self.server.drop(db)
+
+
+def run_secure(server: ScratchServer, loaded: Loaded, index: int, results: Results) -> None:
+    """One fresh pair of the secure templates: deliver() of sealed dialogs."""
+    pair = Pair(server, loaded, f"r{index}s")
+    try:
+        quiesce(pair.db_a, pair.db_b)
+        run, _sums = pair.deliver(loaded.total, None)
+        results.add(SECURE, run)
+        _say(
+            f"  round {index + 1}: {SECURE:28} {run.rate:>9,.0f} msgs/s "
+            f"({run.seconds:.2f}s, {run.steps} passes)"
+        )
+    finally:
+        pair.close()
 
 
 def run_round(
@@ -415,6 +463,9 @@ def ratio_lines(results: Results) -> list[str]:
         f"info {TARGET_NAME}: floor = {best} copy, {floors[best]:,.0f} msgs/s; "
         + ", ".join(f"vs {m}: {broker / rate:.2f}" for m, rate in floors.items()),
     ]
+    if SECURE in results.runs:
+        secure = results.median(SECURE).rate
+        lines.append(f"target {SECURE_TARGET}: {secure / broker:.2f} (goal >= {SECURE_GOAL})")
     sums = {name: sum(r[name] for r in results.reports) for name in REPORT_FIELDS}
     lines.append(
         "info deliver_reports: "
@@ -501,8 +552,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"({time.perf_counter() - started:.0f}s with setup)"
         )
         results.load_rates.append(loaded.load_rate)
+        # The bench's own master key (dialog security seals keys under it).
+        os.environ.setdefault(MASTER_KEY_ENV, "airflow-broker bench master key")
+        secure = Loaded(server, args, secure=True)
+        _say(f"  loaded the secure pair once: SEND {secure.load_rate:,.0f} msgs/s")
         for index in range(args.rounds):
+            if index % 2:
+                run_secure(server, secure, index, results)
             run_round(server, loaded, index, batch, results, profile)
+            if not index % 2:
+                run_secure(server, secure, index, results)
     finally:
         server.drop_all()
     print(format_table(results, batch))

@@ -66,7 +66,7 @@ def install_source(db: Database, size: int) -> None:
     for start in range(0, dialogs, per_tx):
         n = min(per_tx, dialogs - start)
         with b.transaction() as tx:
-            hs = [tx.begin_dialog(SOURCE, TARGET) for _ in range(n)]
+            hs = [tx.begin_dialog(SOURCE, TARGET, encryption=False) for _ in range(n)]
         for k in range(PER_DIALOG):
             with b.transaction() as tx:
                 tx.send(hs, body=b'{"region": "east", "amount": 1234.5, "k": %d}' % k)

@@ -61,7 +61,7 @@ def _setup(near: Broker, far: Broker) -> None:
 
 def _send_far(near: Broker) -> float:
     with near.transaction() as tx:
-        h = tx.begin_dialog(SENDER, FAR_SERVICE)
+        h = tx.begin_dialog(SENDER, FAR_SERVICE, encryption=False)
         tx.send(h, body={"sent_at": time.time()})
     return time.time()
 

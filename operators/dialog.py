@@ -185,6 +185,8 @@ class BeginDialogOperator(BrokerOperator):
     :param dedupe_key: the dedupe key (templated; None or empty: the task instance's identity):
         a retry returns the first try's handle and sends nothing (:func:`dedupe_key_for`).
     :param dedupe: ``False``: no key; each try begins a new dialog.
+    :param encryption: BEGIN DIALOG's ENCRYPTION (default on): a dialog with another broker
+        leaves only under dialog security; off, it travels in clear where none is configured.
     """
 
     template_fields: Sequence[str] = (
@@ -215,12 +217,14 @@ class BeginDialogOperator(BrokerOperator):
         body: Any = None,
         dedupe_key: str | None = None,
         dedupe: bool = True,
+        encryption: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.from_service = from_service
         self.to_service = to_service
         self.contract = contract
+        self.encryption = encryption
         self.broker_instance = broker_instance
         self.lifetime_seconds = lifetime_seconds
         self.related_conversation_group = related_conversation_group
@@ -260,6 +264,7 @@ class BeginDialogOperator(BrokerOperator):
                     self.related_conversation_group, "related_conversation_group"
                 ),
                 dedupe_key=key,
+                encryption=self.encryption,
             )
             if message_type is not None:
                 tx.send(handle, message_type, self.body, dedupe_key=key)

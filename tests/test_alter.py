@@ -520,7 +520,7 @@ def _dialog_between(net: Net) -> tuple[Broker, Broker, uuid.UUID, uuid.UUID]:
     two_way(net)
     a, b = net["a"], net["b"]
     with a.transaction() as tx:
-        h = tx.begin_dialog(INITIATOR, TARGET)
+        h = tx.begin_dialog(INITIATOR, TARGET, encryption=False)
         tx.send(h, body=b"hello")
     pump([a, b])
     [hello] = drain_all(b, TARGET_QUEUE)

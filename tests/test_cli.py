@@ -870,11 +870,13 @@ def busy_url(broker_url: str, run: Run, tmp_path: Path) -> str:
     try:
         b.alter_queue("Parked", status=False)
         with b.transaction() as tx:
-            handles = [tx.begin_dialog("//t/Sender", "//t/Receiver") for _ in range(3)]
+            handles = [
+                tx.begin_dialog("//t/Sender", "//t/Receiver", encryption=False) for _ in range(3)
+            ]
             for i, h in enumerate(handles):
                 tx.send(h, body=f"order {i}")
             tx.send(handles[0], body="order 0, second line")
-            parked = tx.begin_dialog("//t/Sender", "//t/Parked")
+            parked = tx.begin_dialog("//t/Sender", "//t/Parked", encryption=False)
             tx.send(parked, body="for a disabled queue")
     finally:
         b.dispose()
@@ -916,7 +918,9 @@ def test_status_json(busy_url: str, run: Run) -> None:
         "queues",
         "transmission_queue",
         "in_transit",
+        "certificates_expiring",
     }
+    assert doc["certificates_expiring"] == []
     assert doc["identity"]["copy_detected"] is False and doc["identity"]["reason"] is None
     assert doc["broker"] == {
         "instance_id": instance_id(busy_url),
@@ -1098,7 +1102,7 @@ def send(url: str, count: int) -> None:
     b = Broker.connect(url)
     try:
         with b.transaction() as tx:
-            h = tx.begin_dialog("//t/Sender", "//t/Receiver")
+            h = tx.begin_dialog("//t/Sender", "//t/Receiver", encryption=False)
             for i in range(count):
                 tx.send(h, body=f"message {i}")
     finally:

@@ -501,7 +501,7 @@ def test_later_messages_of_an_unclassified_conversation_are_dropped(sales: Broke
     broker = sales
     broker.create_routing_service(ROUTER, queue=ROUTER_QUEUE, classifier=classify_region)
     with broker.transaction() as tx:
-        h = tx.begin_dialog(CLIENT, ROUTER, contract=CONTRACT)
+        h = tx.begin_dialog(CLIENT, ROUTER, contract=CONTRACT, encryption=False)
         tx.send(h, REQUEST, {"nothing": "here"})
         tx.send(h, REQUEST, {"region": "east"})
     assert broker.run_routing_service(ROUTER) == 2
@@ -535,7 +535,9 @@ def test_redirect_mode_tells_the_initiator_where_to_go(sales: Broker) -> None:
 
     # The client follows the redirection.
     with broker.transaction() as tx:
-        h = tx.begin_dialog(CLIENT, got[0].json()["to_service"], contract=CONTRACT)
+        h = tx.begin_dialog(
+            CLIENT, got[0].json()["to_service"], contract=CONTRACT, encryption=False
+        )
         tx.send(h, REQUEST, {"region": "west"})
     assert len(receive_all(broker, region_queue("West"))) == 1
 
@@ -672,7 +674,7 @@ def test_many_conversations_through_one_router_with_two_runners(
     with broker.transaction() as tx:
         for i in range(n):
             region = REGIONS[i % 3]
-            h = tx.begin_dialog(CLIENT, ROUTER, contract=CONTRACT)
+            h = tx.begin_dialog(CLIENT, ROUTER, contract=CONTRACT, encryption=False)
             tx.send(h, REQUEST, {"region": region.lower(), "request": i})
             clients[h] = (i, region)
 

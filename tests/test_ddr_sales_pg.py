@@ -203,7 +203,7 @@ def test_sales_by_region_through_a_routing_service_across_databases(
         for i, (region, quarter) in enumerate(
             [(r, q) for q in QUARTERS for r in REGIONS] + [("west", MISSING_QUARTER)]
         ):
-            h = tx.begin_dialog(CLIENT, ROUTER, contract=CONTRACT)
+            h = tx.begin_dialog(CLIENT, ROUTER, contract=CONTRACT, encryption=False)
             request = {"request": i, "region": region, "quarter": quarter}
             tx.send(h, REQUEST, request)
             asked[h] = request
@@ -296,7 +296,7 @@ def test_redirect_mode_across_databases(network: dict[str, Broker]) -> None:
 
     request = {"request": 1, "region": "north", "quarter": "Q3"}
     with client.transaction() as tx:
-        h = tx.begin_dialog(CLIENT, redirector, contract=CONTRACT)
+        h = tx.begin_dialog(CLIENT, redirector, contract=CONTRACT, encryption=False)
         tx.send(h, REQUEST, request)
     deliver(client)
     assert router.run_routing_service(redirector) == 1
@@ -312,7 +312,9 @@ def test_redirect_mode_across_databases(network: dict[str, Broker]) -> None:
     with client.transaction() as tx:
         tx.end_conversation(h)
         # The client follows the redirection: straight to the north's database.
-        direct = tx.begin_dialog(CLIENT, got[0].json()["to_service"], contract=CONTRACT)
+        direct = tx.begin_dialog(
+            CLIENT, got[0].json()["to_service"], contract=CONTRACT, encryption=False
+        )
         tx.send(direct, REQUEST, request)
     deliver(client)
     assert answer_requests(network["north"], "north") == [request]

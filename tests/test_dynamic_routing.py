@@ -57,7 +57,7 @@ def test_no_route_asks_the_dynamic_routing_service_once_then_delivers_by_its_rou
 ) -> None:
     a, b = pair
     with a.transaction() as tx:
-        h = tx.begin_dialog("//svc/A", "//svc/B")
+        h = tx.begin_dialog("//svc/A", "//svc/B", encryption=False)
         tx.send(h, body="order")
     (row,) = a.transmission_queue()
     assert "dynamic routing service" in row.transmission_status
@@ -105,7 +105,7 @@ def test_a_named_route_still_wins_over_the_dynamic_routing_service(
     a, _ = pair
     a.create_route("to_b", service_name="//svc/B", address="broker://b")
     with a.transaction() as tx:
-        h = tx.begin_dialog("//svc/A", "//svc/B")
+        h = tx.begin_dialog("//svc/A", "//svc/B", encryption=False)
         tx.send(h, body="order")
     assert a.deliver().delivered == 1
     assert _requests(a) == []

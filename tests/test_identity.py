@@ -114,7 +114,7 @@ def copied(new_db: Callable[[str], str], clone: Callable[[str], str]) -> Iterato
     reply_to_all(setup["b"], got, {"reply": 1})  # waits in b's transmission queue
     # A dialog inside b, one message on its way.
     with setup["b"].transaction() as tx:
-        local = tx.begin_dialog(LOCAL_A, LOCAL_B)
+        local = tx.begin_dialog(LOCAL_A, LOCAL_B, encryption=False)
         tx.send(local, body={"local": 1})
     setup.close()
     urls = {**setup.urls, "c": clone(setup.urls["b"])}
@@ -281,10 +281,10 @@ def test_new_broker_gives_the_copy_an_identity_of_its_own(copied: Copied) -> Non
     received = set(endpoints(c))
     with c.transaction() as tx:
         # Not bound to a broker yet, but its message is routed to a's: it involves a.
-        routed = tx.begin_dialog(TARGET, INITIATOR)
+        routed = tx.begin_dialog(TARGET, INITIATOR, encryption=False)
         tx.send(routed, body={"n": 0})
         # Nothing sent: it involves no one yet, and goes on under the new id.
-        unsent = tx.begin_dialog(TARGET, INITIATOR)
+        unsent = tx.begin_dialog(TARGET, INITIATOR, encryption=False)
     unsent_state = endpoints(c)[unsent].state
     done = c.reset_identity("new_broker")
     assert done.previous_instance_id == old and done.instance_id != old
@@ -319,7 +319,7 @@ def test_new_broker_gives_the_copy_an_identity_of_its_own(copied: Copied) -> Non
 
     # Delivery works again, both ways, as a broker of its own.
     with c.transaction() as tx:
-        h = tx.begin_dialog(TARGET, INITIATOR)
+        h = tx.begin_dialog(TARGET, INITIATOR, encryption=False)
         tx.send(h, body={"from": "c"})
     assert c.deliver().delivered == 1
     [m] = drain_all(a, INIT_QUEUE)
@@ -353,7 +353,7 @@ def test_error_conversations_ends_every_conversation(copied: Copied) -> None:
 
     # Delivery works again.
     with c.transaction() as tx:
-        h = tx.begin_dialog(TARGET, INITIATOR)
+        h = tx.begin_dialog(TARGET, INITIATOR, encryption=False)
         tx.send(h, body={"from": "c"})
     assert c.deliver().delivered == 1
     assert [m.json() for m in drain_all(a, INIT_QUEUE)] == [{"from": "c"}]

@@ -125,10 +125,10 @@ def test_delivery_failures_count(broker: Broker, recorder: Recorder, tmp_path: P
         broker.create_route("to_far", service_name="//far/Missing", address="broker://far")
         broker.create_route("to_nowhere", service_name="//x/Nowhere", address="broker://nowhere")
         with broker.transaction() as tx:
-            lost = tx.begin_dialog(BUYER, "//x/Nowhere", contract=DEFAULT)
+            lost = tx.begin_dialog(BUYER, "//x/Nowhere", contract=DEFAULT, encryption=False)
             tx.send(lost, DEFAULT, "a")
             tx.send(lost, DEFAULT, "b")
-            refused = tx.begin_dialog(BUYER, "//far/Missing", contract=DEFAULT)
+            refused = tx.begin_dialog(BUYER, "//far/Missing", contract=DEFAULT, encryption=False)
             tx.send(refused, DEFAULT, "c")
         report = broker.deliver()
         assert report.failed == 1
@@ -190,9 +190,9 @@ SCRIPT = textwrap.dedent(
     b.create_route("to_far", service_name="//far/Missing", address="broker://far")
     b.create_route("to_nowhere", service_name="//x/Nowhere", address="broker://nowhere")
     with b.transaction() as tx:
-        lost = tx.begin_dialog(BUYER, "//x/Nowhere", contract=DEFAULT)
+        lost = tx.begin_dialog(BUYER, "//x/Nowhere", contract=DEFAULT, encryption=False)
         tx.send(lost, DEFAULT, "x")
-        refused = tx.begin_dialog(BUYER, "//far/Missing", contract=DEFAULT)
+        refused = tx.begin_dialog(BUYER, "//far/Missing", contract=DEFAULT, encryption=False)
         tx.send(refused, DEFAULT, "y")
     b.deliver()
 

@@ -138,7 +138,11 @@ class BrokerMachine(RuleBasedStateMachine):
     def begin(self, orders: int, lifetime: bool) -> uuid.UUID:
         with self.broker.transaction() as tx:
             h = tx.begin_dialog(
-                self.buyer, self.supplier, CONTRACT, lifetime_seconds=LIFETIME if lifetime else None
+                self.buyer,
+                self.supplier,
+                CONTRACT,
+                lifetime_seconds=LIFETIME if lifetime else None,
+                encryption=False,
             )
             group = tx.conversation(h).conversation_group_id
         self.model.begin(h, group, lifetime=lifetime)

@@ -46,7 +46,7 @@ def _pair(tmp_path: Path, resolver: object = None) -> tuple[Broker, str]:
 
 def _send_and_deliver(east: Broker, west_url: str) -> int:
     with east.transaction() as tx:
-        h = tx.begin_dialog("//svc/East", "//svc/West")
+        h = tx.begin_dialog("//svc/East", "//svc/West", encryption=False)
         tx.send(h, body="hello")
     report = east.deliver()
     west = Broker.connect(west_url)
@@ -89,7 +89,7 @@ from airflow_broker import Broker
 east_url, west_url = sys.argv[1], sys.argv[2]
 east = Broker.connect(east_url)
 with east.transaction() as tx:
-    h = tx.begin_dialog("//svc/East", "//svc/West")
+    h = tx.begin_dialog("//svc/East", "//svc/West", encryption=False)
     tx.send(h, body="hello")
 print(east.deliver().delivered)
 """
@@ -141,7 +141,7 @@ def test_an_unknown_name_waits_with_a_reason_that_says_where_to_put_it(
     with pytest.raises(Unreachable, match="AIRFLOW_BROKER_ADDRESS_WEST"):
         resolve(east, "broker://west")
     with east.transaction() as tx:
-        h = tx.begin_dialog("//svc/East", "//svc/West")
+        h = tx.begin_dialog("//svc/East", "//svc/West", encryption=False)
         tx.send(h, body="hello")
     report = east.deliver()
     assert (report.delivered, report.delayed) == (0, 1)

@@ -304,7 +304,9 @@ def test_sales_requests_are_classified_by_region_to_the_regional_brokers(
     sales.declare(hq, regions)
     handles = sales.file_requests(hq, 90, per_conversation=2, seed=3)
     with hq.transaction() as tx:
-        stray = tx.begin_dialog(sales.CLIENT, sales.REQUEST, contract=sales.CONTRACT)
+        stray = tx.begin_dialog(
+            sales.CLIENT, sales.REQUEST, contract=sales.CONTRACT, encryption=False
+        )
         tx.send(stray, message_type="//sales/SalesRequest", body={"quarter": "2026Q3"})
     report = job.run(hq, spark, classifier=classifier, classify_service=sales.REQUEST)
     assert report.acknowledged == 90 and report.waiting == {"unclassified": 1}

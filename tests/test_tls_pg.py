@@ -111,7 +111,7 @@ def test_the_hook_reaches_a_tls_only_server_with_verify_full(
         set_up_receiver(broker)
         broker.create_service("//svc/East", queue="q")
         with broker.transaction() as tx:
-            handle = tx.begin_dialog("//svc/East", "//svc/West")
+            handle = tx.begin_dialog("//svc/East", "//svc/West", encryption=False)
             tx.send(handle, body="over TLS")
         assert receive_texts(broker) == ["over TLS"]
         assert ssl_in_use(broker)
@@ -206,7 +206,7 @@ def test_a_route_reaches_the_tls_broker_through_the_airflow_connection(
         assert params["application_name"] == "airflow-broker-tls-test"
 
         with east.transaction() as tx:
-            handle = tx.begin_dialog("//svc/East", "//svc/West")
+            handle = tx.begin_dialog("//svc/East", "//svc/West", encryption=False)
             tx.send(handle, body="routed over TLS")
         assert east.deliver().delivered == 1
         assert receive_texts(west) == ["routed over TLS"]

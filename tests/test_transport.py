@@ -348,7 +348,7 @@ def test_replies_end_dialog_and_error_travel_both_ways(
     net = network("a", "b")
     a, b = po_network(net)
     with a.transaction() as tx:
-        h = tx.begin_dialog(INITIATOR, TARGET, contract=CONTRACT)
+        h = tx.begin_dialog(INITIATOR, TARGET, contract=CONTRACT, encryption=False)
         tx.send(h, ORDER, {"n": 0})
         tx.send(h, ORDER, {"n": 1})
     a.deliver()
@@ -416,7 +416,7 @@ def test_a_body_invalid_at_the_target_is_discarded_and_the_sender_gets_an_error(
     a.create_route("ToTarget", TARGET, None, "broker://b")
     b.create_route("ReturnRoute", INITIATOR, net.id("a"), "broker://a")
     with a.transaction() as tx:
-        h = tx.begin_dialog(INITIATOR, TARGET, contract=contract)
+        h = tx.begin_dialog(INITIATOR, TARGET, contract=contract, encryption=False)
         tx.send(h, data, {"ok": 1})
         tx.send(h, data, b"{this is not json")
 
@@ -447,7 +447,7 @@ def test_a_contract_the_far_service_does_not_support_errors_at_the_sender(
     for x in (a, b):
         x.create_contract(other, {NOTE: "any"})
     with a.transaction() as tx:
-        h = tx.begin_dialog(INITIATOR, TARGET, contract=other)
+        h = tx.begin_dialog(INITIATOR, TARGET, contract=other, encryption=False)
         tx.send(h, NOTE, "hello")
 
     pump([a, b])

@@ -104,7 +104,12 @@ def file_requests(hq: Broker, count: int, *, per_conversation: int = 1, seed: in
     for start in range(0, count, batch * per_conversation):
         n = min(batch, (count - start) // per_conversation)
         with hq.transaction() as tx:
-            new = [tx.begin_dialog(CLIENT, REQUEST, contract=CONTRACT) for _ in range(n)]
+            # The demo's regions are databases without dialog security: encryption off (it
+            # would seal them if security were configured; docs/security.md).
+            new = [
+                tx.begin_dialog(CLIENT, REQUEST, contract=CONTRACT, encryption=False)
+                for _ in range(n)
+            ]
             regions = [rng.choice(REGIONS) for _ in new]
             for seq in range(per_conversation):
                 for h, region in zip(new, regions, strict=True):
@@ -119,7 +124,10 @@ def file_live_requests(hq: Broker, count: int, *, seed: int = 0) -> list[Any]:
     random), in one transaction; returns the conversation handles."""
     rng = random.Random(seed)
     with hq.transaction() as tx:
-        handles = [tx.begin_dialog(CLIENT, ROUTER, contract=CONTRACT) for _ in range(count)]
+        handles = [
+            tx.begin_dialog(CLIENT, ROUTER, contract=CONTRACT, encryption=False)
+            for _ in range(count)
+        ]
         for h in handles:
             body = {"region": rng.choice(REGIONS), "quarter": "2026Q4", "n": 0}
             tx.send(h, message_type=REQUEST_TYPE, body=body)

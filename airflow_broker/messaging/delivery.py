@@ -36,6 +36,8 @@ from airflow_broker.messaging.objects import (
 from airflow_broker.messaging.rows import insert_message, to_endpoint
 from airflow_broker.routing import dynamic
 from airflow_broker.routing.routes import routes_of
+from airflow_broker.security import dialogs
+from airflow_broker.security.crypto import SecurityFailure
 from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
 
@@ -77,6 +79,8 @@ class Delivery:
         #: batch mode: transmission-queue rows are collected and written by :meth:`flush`
         #: (SEND on many conversations, each routed once)
         self._queued: list[dict[str, Any]] | None = [] if batch else None
+        #: dialog security, per conversation: (sealing or None, why it waits or None)
+        self._seals: dict[uuid.UUID, tuple[dialogs.Sealing | None, str | None]] = {}
 
     def flush(self) -> None:
         """Write the transmission-queue rows collected in batch mode, in one statement."""
@@ -102,6 +106,7 @@ class Delivery:
                 msg,
                 "waiting behind earlier messages of this conversation",
                 retry_in=timedelta(0) if sender.far_handle is None else RETRY_BASE,
+                remote=sender.far_handle is None,
             )
             return False
         if sender.far_handle is not None:
@@ -111,6 +116,8 @@ class Delivery:
                         sender,
                         msg,
                         "waiting for delivery to another broker",
+                        remote=True,
+                        say_why=True,
                     )
                     return False
                 self._far_removed(sender, now)
@@ -161,6 +168,8 @@ class Delivery:
                 msg,
                 f"waiting for delivery to broker instance {sender.far_broker_instance}",
                 retry_in=timedelta(0),
+                remote=True,
+                say_why=True,
             )
             return False
         decision = self._decide(sender, now)
@@ -170,6 +179,8 @@ class Delivery:
                 msg,
                 f"waiting for delivery to {decision.addresses[0]} ({decision.reason})",
                 retry_in=timedelta(0),
+                remote=True,
+                say_why=True,
             )
             return False
         target = self._local_target(sender) if decision.kind == "local" else None
@@ -183,6 +194,7 @@ class Delivery:
                 else f"no route to service {sender.far_service!r} (delayed and retried)",
                 # the delivery pass routes it again (and asks a dynamic routing service)
                 retry_in=timedelta(0),
+                remote=True,
             )
             return False
         if not target["router"] and sender.contract_name not in target["contracts"]:
@@ -427,11 +439,36 @@ class Delivery:
         ).first()
 
     def _to_transmission(
-        self, sender: Any, msg: Outgoing, reason: str, *, retry_in: timedelta = RETRY_BASE
+        self,
+        sender: Any,
+        msg: Outgoing,
+        reason: str,
+        *,
+        retry_in: timedelta = RETRY_BASE,
+        remote: bool = False,
+        say_why: bool = False,
     ) -> None:
         """Into the transmission queue: ``retry_in`` 0 for messages for another broker (the
-        next delivery pass takes them), later for a local target that cannot take it yet."""
+        next delivery pass takes them), later for a local target that cannot take it yet.
+        ``remote``: bound for another broker (or maybe: no route yet), so sealed when its
+        dialog is secure; ``say_why``: surely bound for another broker, so a dialog that waits
+        for dialog security says so instead of ``reason``."""
         message_type, seq, body, validation, now = msg
+        sealed = False
+        if remote:
+            sealing, waits = self._sealing(sender, now)
+            if sealing is not None:
+                body = dialogs.seal_body(
+                    sealing.key,
+                    sender.conversation_id,
+                    sender.is_initiator,
+                    seq,
+                    message_type,
+                    body,
+                )
+                sealed = True
+            elif waits is not None and say_why:
+                reason = waits
         row = {
             "conversation_handle": sender.conversation_handle,
             "conversation_id": sender.conversation_id,
@@ -451,6 +488,7 @@ class Delivery:
             "transmission_status": reason,
             "attempts": 0,
             "next_attempt_at": now + retry_in,
+            "sealed": sealed or None,
         }
         if self._queued is not None:
             self._queued.append(row)
@@ -465,6 +503,20 @@ class Delivery:
             sender.conversation_handle,
             reason,
         )
+
+    def _sealing(self, sender: Any, now: datetime) -> tuple[dialogs.Sealing | None, str | None]:
+        """The conversation's sealing (None: in clear), once per conversation and transaction,
+        and why it waits when it must be secured and cannot be yet. A certificate that expired
+        is left to the delivery pass, which stops the dialog."""
+        handle = sender.conversation_handle
+        if handle not in self._seals:
+            try:
+                self._seals[handle] = (dialogs.for_sending(self.conn, sender, now), None)
+            except dialogs.Wait as exc:
+                self._seals[handle] = (None, exc.reason)
+            except SecurityFailure as exc:
+                self._seals[handle] = (None, exc.reason)
+        return self._seals[handle]
 
     def _error_back(self, sender: Any, code: int, description: str, now: datetime) -> None:
         """The dialog failed at the far side: the sender gets an Error and goes to ER."""

@@ -137,7 +137,8 @@ def send_probe(
     arm the timer that gives up after ``timeout_seconds``; all in ``tx``."""
     probe_id = f"probe-{uuid.uuid4().hex[:12]}"
     text = probe_id if body is None else body
-    handle = tx.begin_dialog(PROBER_SERVICE, to_service, CONTRACT)
+    # A probe measures the way there and back: secured where dialog security is configured.
+    handle = tx.begin_dialog(PROBER_SERVICE, to_service, CONTRACT, encryption=False)
     group = tx.conversation(handle).conversation_group_id
     tx.connection.execute(
         insert(echo_probe).values(

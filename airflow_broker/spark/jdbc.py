@@ -110,7 +110,14 @@ def pending_query(dialect: str, due_by: datetime | None) -> str:
     else:
         as_text = "{}"
         epoch = "(julianday(t.lifetime) - 2440587.5) * 86400.0"
-    where = "" if due_by is None else f"WHERE t.next_attempt_at <= {_sql_time(dialect, due_by)}"
+    # Secure dialogs (sealed bodies, a session key, or encryption required) are the Python
+    # pass's: it seals, carries the key exchange, and holds what waits for dialog security.
+    where = (
+        "WHERE t.sealed IS NOT TRUE AND e.encryption IS NOT TRUE AND NOT EXISTS "
+        "(SELECT 1 FROM broker_dialog_key k WHERE k.conversation_handle = t.conversation_handle)"
+    )
+    if due_by is not None:
+        where += f" AND t.next_attempt_at <= {_sql_time(dialect, due_by)}"
     return f"""
         SELECT t.id,
                {as_text.format("t.conversation_handle")} AS conversation_handle,

@@ -154,6 +154,8 @@ def hold(broker: BrokerContext, packets: Sequence[Packet], now: datetime, reason
             "hops": p.hops,
             "error_code": p.error_code,
             "error_description": p.error_description,
+            "sealed": p.sealed or None,
+            "handshake": p.handshake,
             "enqueued_at": now,
             "transmission_status": reason,
             "attempts": 1,
@@ -195,6 +197,8 @@ def _packet_of_transit(r: Any) -> Packet:
         hops=r["hops"],
         error_code=r["error_code"],
         error_description=r["error_description"],
+        sealed=bool(r.get("sealed")),
+        handshake=r.get("handshake"),
     )
 
 

@@ -12,7 +12,6 @@ import logging
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import delete, select, text, tuple_, update
@@ -33,17 +32,21 @@ from airflow_broker.constants import (
 from airflow_broker.errors import BrokerError, ContractViolation, MessageValidationError
 from airflow_broker.messaging.lookups import contract_rule, hosted_services, priority_for
 from airflow_broker.messaging.objects import error_body
-from airflow_broker.messaging.rows import insert_message, precedence
+from airflow_broker.messaging.rows import precedence
 from airflow_broker.messaging.validation import VALIDATION_CODES, validate_body
+from airflow_broker.security import dialogs
+from airflow_broker.security.crypto import SecurityFailure
 from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.storage.identity import copy_refusal
+from airflow_broker.transport.arrival import fail_endpoint, next_state, opened
 from airflow_broker.transport.forwarding import Forwarder
 from airflow_broker.transport.packets import (
     ACK,
     DROPPED,
+    HELD,
     MESSAGE,
     NOTICE,
     Outcome,
@@ -179,6 +182,10 @@ class _Taker:
         self.acked: list[tuple[uuid.UUID, int]] = []
         #: sequence number -> validation code, of the conversation being taken
         self.validation: dict[int, str] = {}
+        #: dialog security: endpoints whose dialog is secure; session keys agreed now
+        self.keyed: dict[uuid.UUID, bytes] = {}
+        self.certificates: dict[Any, Any] = {}
+        self.dialog_keys: list[dict[str, Any]] = []
 
     def run(self, packets: Sequence[Packet], indexes: list[int]) -> None:
         e = s.conversation_endpoint
@@ -198,9 +205,9 @@ class _Taker:
             for i in indexes
             if packets[i].kind == MESSAGE
         }
-        held = self._held(
-            [ep["conversation_handle"] for k, ep in endpoints.items() if k in with_messages]
-        )
+        receiving = [ep["conversation_handle"] for k, ep in endpoints.items() if k in with_messages]
+        held = self._held(receiving)
+        self.keyed = dialogs.keyed(self.conn, receiving)
         by_conversation: dict[tuple[uuid.UUID, bool], list[int]] = defaultdict(list)
         for i in indexes:
             p = packets[i]
@@ -228,6 +235,7 @@ class _Taker:
             bulk.insert_rows(
                 self.conn, e, [{c: ep.get(c) for c in columns} for ep in self.new_endpoints]
             )
+        bulk.insert_rows(self.conn, s.dialog_key, self.dialog_keys)
         bulk.insert_rows(self.conn, s.message, self.new_messages)
         bulk.update_rows(self.conn, e, "conversation_handle", self.sequences)
         bulk.update_rows(
@@ -332,6 +340,18 @@ class _Taker:
                 )
             return
         handle = ep["conversation_handle"]
+        key: bytes | None = None
+        if handle in self.keyed or any(packets[i].sealed for i in indexes):
+            try:
+                key = self._session_key(ep, packets, indexes)
+            except dialogs.Wait as exc:
+                for i in indexes:
+                    self.notes[i] = (HELD, exc.reason)
+                return
+            except SecurityFailure as exc:
+                self._fail_back(first, exc.code, exc.reason)
+                self._fail(ep, exc.code, exc.reason)
+                return
         self.validation = {}
         ep_held = held.setdefault(handle, {})
         expected = ep["receive_sequence"]
@@ -346,6 +366,13 @@ class _Taker:
             if state in ("ER", "CD"):
                 self.answers.append(p.answer(ACK, self.me))
                 continue
+            if key is not None:
+                try:
+                    p = opened(key, p)
+                except SecurityFailure as exc:
+                    failure = (exc.code, exc.reason)
+                    self._fail_back(p, *failure)
+                    break
             failure = self._check(ep, p)
             if failure is not None:
                 self._fail_back(p, *failure)
@@ -370,7 +397,7 @@ class _Taker:
                     .where(m.c.status == STATUS_NOT_COMPLETE)
                     .values(status=STATUS_READY)
                 )
-                state = _next_state(state, promoted_type)
+                state = next_state(state, promoted_type)
                 expected += 1
         values: dict[str, Any] = {}
         if expected != ep["receive_sequence"]:
@@ -395,6 +422,27 @@ class _Taker:
         if values:
             self._update_endpoint(handle, values, ep)
 
+    def _session_key(
+        self, ep: dict[str, Any], packets: Sequence[Packet], indexes: list[int]
+    ) -> bytes:
+        """The session key of a secure dialog's endpoint here, agreed now from the key exchange
+        its initiator's messages carry if this is the first of them."""
+        first = packets[indexes[0]]
+        handshake = next((packets[i].handshake for i in indexes if packets[i].handshake), None)
+        key, row = dialogs.for_receiving(
+            self.conn,
+            ep,
+            handshake,
+            first.from_service,
+            first.seq,
+            self.now,
+            keys=self.keyed,
+            memo=self.certificates,
+        )
+        if row is not None:
+            self.dialog_keys.append(row)
+        return key
+
     def _update_endpoint(
         self, handle: uuid.UUID, values: dict[str, Any], ep: dict[str, Any]
     ) -> None:
@@ -414,7 +462,7 @@ class _Taker:
         leads to."""
         if state in SENDABLE_STATES or state == "DI":
             self._enqueue(ep, p, STATUS_READY)
-        return _next_state(state, p.message_type)
+        return next_state(state, p.message_type)
 
     def _enqueue(self, ep: dict[str, Any], p: Packet, status: int) -> None:
         validation = self.validation.get(p.seq, p.validation)
@@ -547,49 +595,3 @@ def apply_answers(
     _Taker(broker, conn, me, [], {}).run(answers, list(range(len(answers))))
     acks = sum(1 for a in answers if a.kind == ACK)
     return acks, sum(1 for a in answers if a.kind == NOTICE)
-
-
-def _next_state(state: str, message_type: str) -> str:
-    """The state an endpoint goes to when an EndDialog or Error arrives in order."""
-    if message_type == END_DIALOG:
-        if state == "DO":
-            return "CD"
-        if state in SENDABLE_STATES:
-            return "DI"
-    elif message_type == ERROR:
-        return "CD" if state in ("DO", "CD") else "ER"
-    return state
-
-
-def fail_endpoint(
-    conn: Connection, ep: dict[str, Any], code: int, description: str, now: datetime
-) -> None:
-    """The conversation failed: this side gets an Error message and goes to ER; whatever it
-    still had to send is dropped."""
-    if ep["state"] in ("ER", "CD"):
-        return
-    e = s.conversation_endpoint
-    handle = ep["conversation_handle"]
-    conn.execute(
-        insert_message(
-            queue_id=ep["queue_id"],
-            group_id=ep["conversation_group_id"],
-            handle=handle,
-            seq=ep["receive_sequence"],
-            priority=ep["priority"],
-            service_name=ep["service_name"],
-            contract=ep["contract_name"],
-            message_type=ERROR,
-            validation="X",
-            body=error_body(code, description),
-            now=now,
-        )
-    )
-    conn.execute(
-        update(e).where(e.c.conversation_handle == handle).values(state="ER", timer_due_at=None)
-    )
-    conn.execute(
-        delete(s.transmission_queue).where(s.transmission_queue.c.conversation_handle == handle)
-    )
-    ep["state"] = "ER"
-    log.warning("conversation %s failed: %s", handle, description)

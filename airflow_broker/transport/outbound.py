@@ -21,12 +21,15 @@ from airflow_broker.messaging.duework import DueWork
 from airflow_broker.messaging.lookups import hosted_services
 from airflow_broker.routing import dynamic
 from airflow_broker.routing.routes import routes_of
+from airflow_broker.security import dialogs
+from airflow_broker.security.crypto import SecurityFailure
 from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.storage.identity import copy_refusal
 from airflow_broker.transport import inbox, route_requests
+from airflow_broker.transport.arrival import fail_endpoint
 from airflow_broker.transport.forwarding import (
     _key,
     _memory_lock,
@@ -48,6 +51,27 @@ from airflow_broker.transport.packets import (
 from airflow_broker.transport.resolve import resolve
 
 log = logging.getLogger("airflow_broker")
+
+
+class _Sender:
+    """A transmission-queue row seen as its sending endpoint, for dialog security."""
+
+    __slots__ = (
+        "conversation_handle",
+        "conversation_id",
+        "encryption",
+        "far_service",
+        "is_initiator",
+        "service_name",
+    )
+
+    def __init__(self, r: Any) -> None:
+        self.conversation_handle = r.conversation_handle
+        self.conversation_id = r.conversation_id
+        self.is_initiator = r.is_initiator
+        self.service_name = r.from_service_name
+        self.far_service = r.to_service_name
+        self.encryption = r.encryption
 
 
 class Transport:
@@ -188,6 +212,7 @@ class Transport:
                 e.c.state,
                 e.c.far_broker_instance.label("bound_instance"),
                 e.c.service_name.label("ep_service"),
+                e.c.encryption,
             )
             .join(e, e.c.conversation_handle == t.c.conversation_handle)
             .order_by(t.c.conversation_handle, t.c.message_sequence_number)
@@ -212,8 +237,9 @@ class Transport:
             plan = self._plan(conn, list(rows), me, now)
             if b.dialect != "postgresql":
                 # SQLite: no lock is held while far brokers are called; results are written in
-                # one write transaction afterwards (a duplicate push is harmless).
-                conn.rollback()
+                # one write transaction afterwards (a duplicate push is harmless). The plan's
+                # only writes, session keys agreed for secure dialogs, commit before they go.
+                conn.commit()
             results = self._send(plan)
             self._record(conn, plan, results, me, now, counts)
             conn.commit()
@@ -229,6 +255,10 @@ class Transport:
             by_handle[r.conversation_handle].append(r)
         local: list[uuid.UUID] = []
         delayed: dict[uuid.UUID, str] = {}
+        #: dialog security: conversations that stop (a certificate expired), rows sealed now
+        stopped: dict[uuid.UUID, tuple[int, str]] = {}
+        seal_now: list[dict[str, Any]] = []
+        remote_handles: list[tuple[uuid.UUID, tuple[str, ...], str | None]] = []
         remote: dict[tuple[str, ...], list[Packet]] = defaultdict(list)
         packet_rows: dict[tuple[uuid.UUID, int], Any] = {}
         missing: set[str] = set()
@@ -258,8 +288,37 @@ class Transport:
             if self.refused is not None:
                 delayed[handle] = self.refused
                 continue
-            target = asked or decision.broker_instance
+            remote_handles.append((handle, decision.addresses, asked or decision.broker_instance))
+        seals = dialogs.for_sending_many(
+            conn,
+            [_Sender(by_handle[h][0]) for h, _, _ in remote_handles],
+            now,
+            # PostgreSQL: a new key commits on its own before the exchange is sent; SQLite:
+            # with the plan, which commits before anything is sent (below).
+            commit_with=self.b.engine if self.b.dialect == "postgresql" else None,
+        )
+        for handle, addresses, target in remote_handles:
+            msgs = by_handle[handle]
+            sealing = seals[handle]
+            if isinstance(sealing, dialogs.Wait):
+                delayed[handle] = sealing.reason
+                continue
+            if isinstance(sealing, SecurityFailure):
+                stopped[handle] = (sealing.code, sealing.reason)
+                continue
             for r in msgs:
+                body = r.message_body
+                if sealing is not None and not r.sealed:
+                    # Queued before the dialog was secured: sealed now, and kept sealed.
+                    body = dialogs.seal_body(
+                        sealing.key,
+                        r.conversation_id,
+                        r.is_initiator,
+                        r.message_sequence_number,
+                        r.message_type_name,
+                        body,
+                    )
+                    seal_now.append({"id": r.id, "message_body": body, "sealed": True})
                 p = Packet(
                     MESSAGE,
                     r.conversation_id,
@@ -272,10 +331,16 @@ class Transport:
                     contract=r.service_contract_name,
                     message_type=r.message_type_name,
                     validation=r.validation,
-                    body=r.message_body,
+                    body=body,
                     lifetime=aware(r.lifetime),
+                    sealed=sealing is not None,
+                    # The key exchange rides on the conversation's first packet of the batch:
+                    # the target needs it once, and looks for it among the batch's packets.
+                    handshake=sealing.handshake
+                    if sealing is not None and r.is_initiator and r is msgs[0]
+                    else None,
                 )
-                remote[decision.addresses].append(p)
+                remote[addresses].append(p)
                 packet_rows[(r.conversation_id, r.message_sequence_number)] = r
         return {
             "missing": missing,
@@ -284,6 +349,8 @@ class Transport:
             "delayed": delayed,
             "remote": remote,
             "packet_rows": packet_rows,
+            "stopped": stopped,
+            "seal_now": seal_now,
         }
 
     def _send(self, plan: dict[str, Any]) -> list[tuple[list[Packet], Outcome | None, str]]:
@@ -318,6 +385,9 @@ class Transport:
     ) -> None:
 
         t = s.transmission_queue
+        # Bodies sealed by this pass stay sealed in the transmission queue.
+        bulk.update_rows(conn, t, "id", plan["seal_now"])
+        self._stop(conn, plan["stopped"], now, counts)
         work = DueWork(self.b, conn)
         for handle in plan["local"]:
             went = work.flush_conversation(handle, now)
@@ -371,6 +441,21 @@ class Transport:
         counts["delayed"] += len(waiting)
         if waiting:
             self.b.note_due(now + RETRY_BASE)
+
+    def _stop(
+        self,
+        conn: Connection,
+        stopped: dict[uuid.UUID, tuple[int, str]],
+        now: datetime,
+        counts: dict[str, int],
+    ) -> None:
+        """Dialogs dialog security stops (a certificate expired): an Error to this side."""
+        e = s.conversation_endpoint
+        for handle, (code, reason) in stopped.items():
+            ep = conn.execute(select(e).where(e.c.conversation_handle == handle)).first()
+            if ep is not None:
+                counts["failed"] += 1
+                fail_endpoint(conn, dict(ep._mapping), code, reason, now)
 
     def _relay(self, answers: list[Packet], counts: dict[str, int]) -> None:
         """Answers for other brokers (this one forwards): pass them on like any packet."""

@@ -37,7 +37,10 @@ def request_routes(broker: BrokerContext, service_names: set[str]) -> None:
     _ensure_requester(broker)
     with Transaction(broker) as tx:
         for name in sorted(service_names):
-            h = tx.begin_dialog(REQUESTER, BROKER_CONFIGURATION, BROKER_CONFIGURATION_NOTICE)
+            # The broker's own notice: secured where dialog security is configured.
+            h = tx.begin_dialog(
+                REQUESTER, BROKER_CONFIGURATION, BROKER_CONFIGURATION_NOTICE, encryption=False
+            )
             tx.send(h, MISSING_ROUTE, name.encode())
             record_event(tx.connection, EVENT, name, f"asked on conversation {h}")
             log.info("no route to service %r: asked the dynamic routing service", name)

@@ -193,6 +193,10 @@ class _Router:
                 contract=ep.contract_name,
                 lifetime_seconds=lifetime,
                 related_conversation=inbound,
+                # Forwarding on the initiator's behalf: sealed when dialog security is
+                # configured for the target, in clear otherwise (seed 000: end-to-end
+                # security needs the redirect mode).
+                encryption=False,
             )
             tx.connection.execute(
                 insert(s.resolved_conversation).values(
