@@ -148,3 +148,55 @@ def test_the_far_inbox_holds_only_ciphertext(chain: Chain, delivery_role: str) -
     assert batches and not any(MARKER in b for b in batches)
     chain.west.deliver()
     assert [m.json()["k"] for m in drain(chain.west, TARGET_QUEUE)] == [0, 1]
+
+
+def test_a_restricted_reader_replies_on_a_secure_dialog(
+    make_pg_database: Callable[..., str],
+    postgres_server,  # type: ignore[no-untyped-def]
+) -> None:
+    """West's reader holds only RECEIVE on the target queue: it sees the opened bodies, and its
+    reply (queued unsealed: a restricted role sees no keys) is sealed by west's own pass."""
+    east_url, west_url = make_pg_database(), make_pg_database()
+    resolver = {"east": east_url, "west": west_url}
+    east = Broker.connect(east_url, resolver=resolver)
+    west = Broker.connect(west_url, resolver=resolver)
+    role = f"reader_{uuid.uuid4().hex[:10]}"
+    with postgres_server._admin.connect() as conn:
+        conn.execute(text(f"CREATE ROLE {role} LOGIN"))
+    reader = None
+    try:
+        host_initiator(east)
+        host_target(west)
+        east.create_route("ToWest", TARGET, None, "broker://west")
+        west.create_route("ToEast", INITIATOR, east.instance_id, "broker://east")
+        west.create_certificate("target_cert", owner=TARGET)
+        east.import_certificate("target_public", pem(west, "target_cert"), owner=TARGET)
+        east.create_remote_service_binding("to_target", service=TARGET, certificate="target_public")
+        east.create_certificate("initiator_cert", owner=INITIATOR)
+        west.import_certificate("initiator_public", pem(east, "initiator_cert"), owner=INITIATOR)
+        west.grant_receive(TARGET_QUEUE, role)
+        send(east, 1)
+        east.deliver()
+        reader = Broker.connect(
+            make_url(west_url).set(username=role).render_as_string(hide_password=False)
+        )
+        with reader.transaction() as tx:
+            (got,) = tx.receive(TARGET_QUEUE)
+            assert got.json()["card"] == "4111-1111-1111-1111"
+            tx.send(got.conversation_handle, body={"reply": "ok", "card": "4111-1111-1111-1111"})
+        t = s.transmission_queue
+        with west.engine.connect() as conn:
+            assert conn.execute(select(t.c.sealed)).scalars().all() == [None]
+        west.deliver()
+        assert [m.json()["reply"] for m in drain(east, INIT_QUEUE)] == ["ok"]
+    finally:
+        if reader is not None:
+            reader.dispose()
+        east.dispose()
+        west.dispose()
+        eng = create_engine(west_url, isolation_level="AUTOCOMMIT")
+        with eng.connect() as conn:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+        eng.dispose()
+        with postgres_server._admin.connect() as conn:
+            conn.execute(text(f"DROP ROLE {role}"))

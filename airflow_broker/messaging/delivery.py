@@ -509,6 +509,10 @@ class Delivery:
         and why it waits when it must be secured and cannot be yet. A certificate that expired
         is left to the delivery pass, which stops the dialog."""
         handle = sender.conversation_handle
+        if self.b.client_role is not None:
+            # A restricted role (a reader replying to another broker) sees no keys: the owner's
+            # delivery pass seals what it queued before anything leaves.
+            return None, None
         if handle not in self._seals:
             try:
                 self._seals[handle] = (dialogs.for_sending(self.conn, sender, now), None)
