@@ -346,6 +346,12 @@ class Broker(BrokerContext):
         with self.engine.connect() as conn:
             return certificate_store.certificates(conn, expiring_within=expiring_within)
 
+    def export_certificate(self, name: str) -> str:
+        """The public PEM of certificate ``name`` (never its private key): what the far broker
+        imports with :meth:`import_certificate` (CLI: ``certificate export``)."""
+        with self.engine.connect() as conn:
+            return certificate_store.certificate_pem(conn, name)
+
     # -- permissions (PostgreSQL; see airflow_broker.security.permissions) ----------------------
     def grant_send(self, service: str, role: str) -> None:
         """GRANT SEND ON SERVICE to a database role (see :meth:`Definitions.grant_send`)."""

@@ -25,7 +25,7 @@ from transport_procs import INIT_QUEUE, INITIATOR, TARGET, TARGET_QUEUE, host_in
 
 from airflow_broker import Broker
 from airflow_broker.constants import ERR_CERTIFICATE_EXPIRED, ERR_DIALOG_SECURITY, ERROR
-from airflow_broker.security import certificates, dialogs
+from airflow_broker.security import dialogs
 from airflow_broker.security.crypto import MASTER_KEY_ENV, forget_master_key
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
@@ -48,8 +48,7 @@ Pair = tuple[Broker, Broker]
 
 
 def pem(b: Broker, name: str) -> str:
-    with b.engine.connect() as conn:
-        return certificates.certificate_pem(conn, name)
+    return b.export_certificate(name)
 
 
 @pytest.fixture
