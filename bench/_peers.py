@@ -1,4 +1,16 @@
-"""The peers: pgmq (SQL-only install from its PyPI package) and pgqueuer, through their own APIs."""
+"""The peers: pgmq (SQL-only install from its PyPI package) and pgqueuer, through their own APIs.
+
+pgmq is measured two ways:
+
+- ``pgmq-pop``, pgmq at its fastest and the peer the targets are held against: every send and
+  every consume is one statement on an autocommit connection, that is one round trip and its
+  own committed transaction. The consume is ``pgmq.pop(queue, qty)`` (one ``DELETE ...
+  RETURNING`` of the oldest visible rows, ``FOR UPDATE SKIP LOCKED``): the exactly-once consume
+  that RECEIVE + COMMIT compares to. ``pop`` takes ``qty`` in the SQL the ``pgmq`` package ships
+  (pgmq 1.13.0 here), so the batched workload pops 100 in one statement.
+- ``pgmq``: ``read`` (visibility timeout) then ``archive`` in one transaction, kept as an info
+  line: what a consumer that keeps its messages in the archive table pays.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +32,8 @@ PGMQ_QUEUE = "bench"
 #: Visibility timeout of pgmq reads: far longer than any round, so nothing is read twice.
 PGMQ_VT_SECONDS = 300
 PGQUEUER_ENTRYPOINT = "bench"
+#: Messages per statement when a backlog is loaded.
+BACKLOG_CHUNK = 1000
 
 
 # --- pgmq -------------------------------------------------------------------------------------
@@ -83,6 +97,59 @@ class PgmqConsumer:
         self.pool.close()
 
 
+def _pgmq_autocommit(db: Database) -> tuple[PGMQueue, psycopg.Connection]:
+    """pgmq's sync client for calls given ``conn=``, and the autocommit connection to give it.
+
+    Every call passes the connection, so the client's pool is never opened (no idle connection:
+    8 readers of every system must fit under ``max_connections``).
+    """
+    from pgmq import PGMQueue
+
+    pool = ConnectionPool(db.conninfo, min_size=1, max_size=1, open=False)
+    conn = psycopg.connect(db.conninfo, autocommit=True)
+    return PGMQueue(pool=pool, init_extension=False), conn
+
+
+class PgmqPopProducer:
+    """``pgmq.send`` or ``pgmq.send_batch`` as one autocommitted statement (one round trip)."""
+
+    def __init__(self, db: Database) -> None:
+        self.queue, self.conn = _pgmq_autocommit(db)
+
+    def send(self, first_seq: int, count: int) -> None:
+        """Enqueue ``count`` messages in one statement, its own transaction."""
+        # conn= skips the client's BEGIN/COMMIT around the call: the statement autocommits.
+        if count == 1:
+            self.queue.send(PGMQ_QUEUE, payload(first_seq), conn=self.conn)
+        else:
+            msgs = [payload(first_seq + i) for i in range(count)]
+            self.queue.send_batch(PGMQ_QUEUE, msgs, conn=self.conn)
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.conn.close()
+
+
+class PgmqPopConsumer:
+    """``pgmq.pop(queue, qty=batch)`` as one autocommitted statement: read and delete at once."""
+
+    def __init__(self, db: Database, batch: int) -> None:
+        self.queue, self.conn = _pgmq_autocommit(db)
+        self.batch = batch
+
+    def receive(self) -> int:
+        """Pop up to ``batch`` messages in one statement, its own transaction."""
+        got = self.queue.pop(PGMQ_QUEUE, qty=self.batch, conn=self.conn)
+        if self.batch == 1:
+            return 0 if got is None else 1
+        assert isinstance(got, list)
+        return len(got)
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.conn.close()
+
+
 class PgmqSystem:
     """pgmq, installed from the ``pgmq.sql`` its PyPI package ships (no server extension)."""
 
@@ -117,6 +184,29 @@ class PgmqSystem:
         with psycopg.connect(db.conninfo) as conn:
             row = conn.execute(f"SELECT count(*) FROM pgmq.q_{PGMQ_QUEUE}").fetchone()
         return int(row[0]) if row else 0
+
+
+class PgmqPopSystem(PgmqSystem):
+    """pgmq at its fastest: autocommitted ``send``/``send_batch`` and ``pop`` (see the module)."""
+
+    name = "pgmq-pop"
+
+    def producer(self, db: Database, workload: Workload, state: SetupState) -> PgmqPopProducer:
+        """See :class:`PgmqPopProducer`."""
+        return PgmqPopProducer(db)
+
+    def consumer(self, db: Database, workload: Workload, state: SetupState) -> PgmqPopConsumer:
+        """See :class:`PgmqPopConsumer`."""
+        return PgmqPopConsumer(db, workload.batch)
+
+    def load(self, db: Database, workload: Workload, state: SetupState, count: int) -> None:
+        """A backlog of ``count`` messages, ``send_batch`` of 1,000 per statement (untimed)."""
+        producer = PgmqPopProducer(db)
+        try:
+            for first in range(0, count, BACKLOG_CHUNK):
+                producer.send(-1 - first, min(BACKLOG_CHUNK, count - first))
+        finally:
+            producer.close()
 
 
 # --- pgqueuer ---------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ class ScratchServer:
         self.tag = f"{os.getpid()}"
         self._created: list[str] = []
         self._templates: dict[str, str] = {}
+        self._version: int | None = None
 
     def _admin_execute(self, statement: sql.Composed) -> None:
         with psycopg.connect(self.admin.conninfo, autocommit=True) as conn:
@@ -87,15 +88,26 @@ class ScratchServer:
             self._templates[system] = name
         return self._templates[system]
 
-    def create(self, template: str, *parts: str) -> Database:
-        """A fresh clone of ``template`` named after ``parts``."""
+    def _server_version(self) -> int:
+        if self._version is None:
+            with psycopg.connect(self.admin.conninfo, autocommit=True) as conn:
+                self._version = conn.info.server_version
+        return self._version
+
+    def create(self, template: str, *parts: str, file_copy: bool = False) -> Database:
+        """A fresh clone of ``template`` named after ``parts``.
+
+        ``file_copy``: clone by copying the files (after a checkpoint), not through the WAL
+        (PostgreSQL 15's default): much faster for a large template, such as a loaded backlog.
+        """
         name = self._name(*parts)
         self._drop(name)
-        self._admin_execute(
-            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                sql.Identifier(name), sql.Identifier(template)
-            )
+        statement = sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            sql.Identifier(name), sql.Identifier(template)
         )
+        if file_copy and self._server_version() >= 150000:
+            statement = sql.SQL("{} STRATEGY FILE_COPY").format(statement)
+        self._admin_execute(statement)
         self._created.append(name)
         return database(name, self.url)
 

@@ -4,8 +4,9 @@ The rules that keep the comparison fair live here, not in each adapter:
 
 - A message is *produced* by a committed transaction that enqueues it, and *consumed* by a
   committed transaction that takes it off the queue (airflow-broker RECEIVE without retention;
-  pgmq read + archive; pgqueuer dequeue + log_jobs). SEND and RECEIVE never share a transaction:
-  the producer and the readers are different processes in real use.
+  pgmq-pop ``pop``; pgmq read + archive; pgqueuer dequeue + log_jobs). SEND and RECEIVE never
+  share a transaction: the producer and the readers are different processes in real use. A
+  transaction may be one autocommitted statement where the system's API allows it (pgmq-pop).
 - ``Workload.batch`` messages per producing transaction and per consuming transaction: 1 for the
   "single" workload, 100 for "batched".
 - Bodies are the same small JSON document for every system (:func:`payload`).
@@ -104,7 +105,14 @@ class System(Protocol):
         """A consumer connected to ``db`` (built inside the reader process)."""
 
     def remaining(self, db: Database, state: SetupState) -> int:
-        """Messages still on the queue (checked after every round; must be 0)."""
+        """Messages still on the queue (checked after every round: 0, or the backlog's depth)."""
+
+
+class Backlogged(Protocol):
+    """A system the deep-queue round runs on: it can fill its queue before the clock starts."""
+
+    def load(self, db: Database, workload: Workload, state: SetupState, count: int) -> None:
+        """Put ``count`` messages on the queue the consumers read (untimed, any way is fine)."""
 
 
 def _airflow_broker() -> System:
@@ -120,6 +128,12 @@ def _pgmq() -> System:
     return PgmqSystem()
 
 
+def _pgmq_pop() -> System:
+    from bench._peers import PgmqPopSystem
+
+    return PgmqPopSystem()
+
+
 def _pgqueuer() -> System:
     from bench._peers import PgqueuerSystem
 
@@ -128,6 +142,7 @@ def _pgqueuer() -> System:
 
 SYSTEMS: dict[str, Callable[[], System]] = {
     "airflow-broker": _airflow_broker,
+    "pgmq-pop": _pgmq_pop,
     "pgmq": _pgmq,
     "pgqueuer": _pgqueuer,
 }

@@ -2,30 +2,66 @@
 
 Run from the repository root::
 
-    python -m bench.throughput                        # everything, a few minutes on 2 cores
-    python -m bench.throughput --systems pgmq,pgqueuer --readers 1 --repeats 1
-    python -m bench.throughput --messages 2000 --batched-messages 20000   # longer rounds
+    python -m bench.throughput                  # everything, about 10-15 minutes on 2 cores
+    python -m bench.throughput --backlog 0      # no deep-queue rounds (no 10^6 load)
+    python -m bench.throughput --messages 200 --batched-messages 2000 --repeats 1 --backlog 20000
+    python -m bench.throughput --systems airflow-broker,pgmq-pop --readers 1,2 --backlog 0
 
-Workloads (the same for every system; see ``bench/_systems.py`` for the fairness rules):
+(the third is a smoke run of about a minute.)
+
+Systems (see ``bench/_systems.py`` for the fairness rules, ``bench/_peers.py`` for the peers):
+
+- ``airflow-broker``: SEND, and RECEIVE + COMMIT (retention off).
+- ``pgmq-pop``: pgmq at its fastest, the peer the targets are held against: autocommitted
+  ``send``/``send_batch`` and ``pop(queue, qty)`` (one statement that reads and deletes).
+- ``pgmq``: ``read`` + ``archive`` in one transaction (info lines).
+- ``pgqueuer``: ``dequeue`` + ``log_jobs`` in one transaction (info lines).
+
+Workloads (the same for every system):
 
 - ``single``: one message per producing transaction and one per consuming transaction.
 - ``batched``: 100 messages per producing transaction and up to 100 per consuming transaction.
 
 Each (workload, readers, system) runs in its own scratch database, cloned from a template that
 holds the system's schema, and dropped afterwards. Producers run *ahead*: one producer (this
-process) enqueues the round's messages, timed; then 1 or 2 reader processes (multiprocessing,
-spawn; started once and reused, so start-up and connecting are never timed) drain them, timed
-from the first reader's start to the last committed consume. A round's
-time is send time + receive time, and ``msgs/s`` is messages / that time: the end-to-end cost
-of getting a message through the queue. Each configuration has a warm-up round, then
-``--repeats`` measured rounds; the table shows the median round (by total time). The systems of
-one (workload, readers) are set up side by side and take turns round by round, so a busy moment
-of a shared machine hits all of them. ``VACUUM ANALYZE`` runs before every round (the dev
-server runs with autovacuum off), and every round checks that the queue is empty afterwards.
+process) enqueues the round's messages, timed; then 1, 2, 4 or 8 reader processes
+(multiprocessing, spawn; started once and reused, so start-up and connecting are never timed)
+drain them, timed from the first reader's start to the last committed consume. A round's time
+is send time + receive time, and ``msgs/s`` is messages / that time: the end-to-end cost of
+getting a message through the queue. Each configuration has a warm-up round, then ``--repeats``
+measured rounds; the table shows the median round (by total time). The systems of one
+(workload, readers) are set up side by side and take turns round by round, so a busy moment of
+a shared machine hits all of them. ``VACUUM ANALYZE`` runs before every round (the dev server
+runs with autovacuum off), and every round checks what is left on the queue.
 
-After the table come the target lines, ``target NAME: RATIO (goal >= G)``: airflow-broker's
-msgs/s over pgmq's, the lowest over the reader counts measured (a target must hold for each).
-``info`` lines give the per-reader ratios and the ratios against pgqueuer.
+Deep-queue rounds (``--backlog N``, default 10^6; ``--backlog 0`` skips them): for
+airflow-broker and pgmq-pop, per workload, a template is set up as a round's database is, then
+loaded with N messages through the system's own batched send (untimed: about a minute for
+airflow-broker, 20 s for pgmq; its rate goes to stderr), frozen and checkpointed. Each
+configuration of ``--backlog-readers`` (default: every reader count) clones it (file copy) and
+runs the usual rounds beside the empty-queue systems: the round's messages are sent on top of
+the N waiting and the readers drain as many from the head (FIFO: they take the oldest), so the
+queue stays N deep. The readers' last transactions may take up to (readers - 1) x batch beyond
+the round's count; the receive time is scaled to the round's count.
+
+Output: the table (one row per configuration; ``backlog`` 0 is the empty queue), a scaling table
+(msgs/s per system and backlog by reader count), then one line per target,
+``target NAME: RATIO (goal >= G)``, then ``info`` lines:
+
+- ``target single_vs_pgmq_pop`` (goal >= 1.0) and ``target batched_vs_pgmq_pop`` (goal >= 1.5):
+  airflow-broker's msgs/s over pgmq-pop's, empty queues, the lower of the 1- and 2-reader
+  ratios (the ``info`` line with the same name has every reader count).
+- ``target deep_queue_vs_empty`` (goal >= 0.8): airflow-broker's msgs/s with N waiting over its
+  msgs/s from an empty queue, same workload and readers; the lowest over both workloads at 1
+  and 2 readers.
+- ``info {workload}_vs_pgmq_read_archive`` / ``_vs_pgqueuer``: the same ratio against the other
+  peers; ``info deep_queue_vs_empty_pgmq_pop``: pgmq-pop's own deep/empty ratio;
+  ``info deep_queue_receive_vs_empty``: the deep/empty ratio of the receive time alone;
+  ``info deep_queue_vs_pgmq_pop``: airflow-broker over pgmq-pop, both deep.
+
+With 8 readers every system holds its consumers open at once (airflow-broker's hold three
+connections each): the busiest configuration holds about 90 of the server's
+``max_connections``; the run warns at the start when fewer are free.
 """
 
 from __future__ import annotations
@@ -43,49 +79,36 @@ from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
+import psycopg
+
 from bench._reader import Command, DrainResult, Reply, reader_main
 from bench._scratch import Database, ScratchServer, vacuum
-from bench._systems import SYSTEMS, Producer, SetupState, System, Workload, get_system
+from bench._systems import (
+    SYSTEMS,
+    Backlogged,
+    Producer,
+    SetupState,
+    System,
+    Workload,
+    get_system,
+)
+from bench._throughput_report import (
+    OURS,
+    PEER,
+    Round,
+    Row,
+    format_scaling,
+    format_table,
+    ratio_lines,
+)
 
-#: (workload, peer) -> goal; the targets of DESIGN.md's bench section.
-TARGETS: dict[tuple[str, str], float] = {
-    ("single", "pgmq"): 0.8,
-    ("batched", "pgmq"): 1.0,
-}
-OURS = "airflow-broker"
+#: The systems the deep-queue round runs on (airflow-broker's target, pgmq-pop's info line).
+BACKLOG_SYSTEMS = (OURS, PEER)
+#: Connections one consumer holds (airflow-broker: three, as counted in pg_stat_activity during
+#: a run); the others hold one. A producer holds about one.
+CONSUMER_CONNECTIONS = {OURS: 3}
 READY_TIMEOUT = 120.0
 ROUND_TIMEOUT = 900.0
-
-
-@dataclass(frozen=True, slots=True)
-class Round:
-    """One measured round."""
-
-    send_seconds: float
-    receive_seconds: float
-    transactions: int
-
-    @property
-    def seconds(self) -> float:
-        """Send time + receive time."""
-        return self.send_seconds + self.receive_seconds
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One line of the table: the median round of one configuration."""
-
-    system: str
-    workload: str
-    readers: int
-    messages: int
-    round: Round
-    repeats: int
-
-    @property
-    def rate(self) -> float:
-        """Messages per second through the queue (enqueue + consume)."""
-        return self.messages / self.round.seconds
 
 
 class ReaderPool:
@@ -166,8 +189,69 @@ class ReaderPool:
                 proc.join(timeout=5)
 
 
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """A template database holding one system's queue, set up for one workload, already deep."""
+
+    system: str
+    db: Database
+    state: SetupState
+    depth: int
+    load_seconds: float
+
+
+class Backlogs:
+    """The deep templates of one workload: set up, loaded and frozen once, cloned per rig."""
+
+    def __init__(self, server: ScratchServer, workload: Workload, depth: int) -> None:
+        self.server = server
+        self.workload = workload
+        self.depth = depth
+        self._built: dict[str, Backlog] = {}
+
+    def get(self, system: System) -> Backlog:
+        """The deep template of ``system``, built on first use (untimed)."""
+        if system.name not in self._built:
+            self._built[system.name] = self._build(system)
+        return self._built[system.name]
+
+    def _build(self, system: System) -> Backlog:
+        loader: Backlogged = system  # type: ignore[assignment]
+        template = self.server.template(system.name, system.install)
+        db = self.server.create(template, system.name, self.workload.name, "deep")
+        state = system.prepare(db, self.workload)
+        start = time.perf_counter()
+        loader.load(db, self.workload, state, self.depth)
+        load_seconds = time.perf_counter() - start
+        depth = system.remaining(db, state)
+        if depth != self.depth:
+            raise RuntimeError(f"{system.name}: loaded {depth} messages, not {self.depth}")
+        # Frozen and all-visible: no clone pays for hint bits or a first vacuum of the backlog.
+        with psycopg.connect(db.conninfo, autocommit=True) as conn:
+            conn.execute("VACUUM (FREEZE, ANALYZE)")
+            conn.execute("CHECKPOINT")
+        print(
+            f"  {system.name:15} {self.workload.name:8} backlog of {depth:,} loaded in "
+            f"{load_seconds:.0f}s ({depth / load_seconds:,.0f} msgs/s, untimed)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return Backlog(system.name, db, state, depth, load_seconds)
+
+    def drop(self) -> None:
+        """Drop the deep templates."""
+        for backlog in self._built.values():
+            self.server.drop(backlog.db)
+        self._built.clear()
+
+
 class Rig:
-    """One system set up for one (workload, readers): scratch database, consumers, producer."""
+    """One system set up for one (workload, readers): scratch database, consumers, producer.
+
+    With a ``backlog``, the database is a clone of the system's deep template: the queue holds
+    ``backlog.depth`` messages before the first round, and keeps about that many throughout
+    (each round sends its count on top and the readers take as many off the head).
+    """
 
     def __init__(
         self,
@@ -176,18 +260,26 @@ class Rig:
         system: System,
         workload: Workload,
         readers: int,
+        backlog: Backlog | None = None,
     ) -> None:
         self.server = server
         self.pool = pool
         self.system = system
         self.workload = workload
         self.readers = readers
-        template = server.template(system.name, system.install)
-        self.db = server.create(template, system.name, workload.name, f"r{readers}")
+        self.backlog = backlog.depth if backlog else 0
+        self.depth = self.backlog
+        if backlog is None:
+            template = server.template(system.name, system.install)
+            self.db = server.create(template, system.name, workload.name, f"r{readers}")
+        else:
+            self.db = server.create(
+                backlog.db.name, system.name, workload.name, f"r{readers}", "deep", file_copy=True
+            )
         self.key: int | None = None
         self.producer: Producer | None = None
         try:
-            self.state = system.prepare(self.db, workload)
+            self.state = system.prepare(self.db, workload) if backlog is None else backlog.state
             self.key = pool.open(readers, system, self.db, workload, self.state)
             self.producer = system.producer(self.db, workload, self.state)
         except BaseException:
@@ -197,7 +289,7 @@ class Rig:
         self.rounds: list[Round] = []
 
     def run_round(self, count: int, *, record: bool) -> None:
-        """Produce ``count`` messages (timed), then drain them with the readers (timed)."""
+        """Produce ``count`` messages (timed), then drain ``count`` with the readers (timed)."""
         assert self.producer is not None and self.key is not None
         vacuum(self.db)
         start = time.perf_counter()
@@ -208,16 +300,18 @@ class Rig:
         drains = self.pool.drain(self.key, self.readers, count)
         consumed = sum(d.messages for d in drains)
         left = self.system.remaining(self.db, self.state)
-        if consumed != count or left:
+        # From an empty queue: exactly the round's messages, none left. From a deep one the
+        # last transactions may take a few more off the backlog.
+        if consumed < count or left != self.depth + count - consumed:
             raise RuntimeError(
-                f"{self.system.name} {self.workload.name}: sent {count}, consumed {consumed}, "
-                f"{left} left on the queue"
+                f"{self.system.name} {self.workload.name}: {self.depth} waiting, sent {count}, "
+                f"consumed {consumed}, {left} left on the queue"
             )
+        self.depth = left
         receive_seconds = max(d.last_commit for d in drains) - min(d.started for d in drains)
         if record:
-            self.rounds.append(
-                Round(send_seconds, receive_seconds, sum(d.transactions for d in drains))
-            )
+            transactions = sum(d.transactions for d in drains)
+            self.rounds.append(Round(send_seconds, receive_seconds, transactions, count, consumed))
 
     def row(self) -> Row:
         """The median recorded round (by total time)."""
@@ -226,6 +320,7 @@ class Rig:
             self.system.name,
             self.workload.name,
             self.readers,
+            self.backlog,
             self.workload.messages,
             median,
             len(self.rounds),
@@ -249,16 +344,21 @@ def measure(
     workload: Workload,
     readers: int,
     repeats: int,
+    backlogs: Sequence[Backlog] = (),
 ) -> list[Row]:
     """Warm-up round, then ``repeats`` measured rounds of every system, interleaved.
 
-    All systems are set up side by side and take turns round by round (in a rotating order), so
-    that a slow minute of a shared machine lands on every system rather than on one.
+    All systems (and the deep-queue rigs of ``backlogs``, in the same order) are set up side by
+    side and take turns round by round (in a rotating order), so that a slow minute of a shared
+    machine lands on every system rather than on one.
     """
     rigs: list[Rig] = []
     try:
         for system in systems:
             rigs.append(Rig(server, pool, system, workload, readers))
+        by_name = {system.name: system for system in systems}
+        for backlog in backlogs:
+            rigs.append(Rig(server, pool, by_name[backlog.system], workload, readers, backlog))
         for i in range(repeats + 1):
             turn = i % len(rigs)
             for rig in rigs[turn:] + rigs[:turn]:
@@ -291,70 +391,33 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     return chosen
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    """The results as an aligned text table."""
-    header = (
-        "system",
-        "workload",
-        "readers",
-        "messages",
-        "seconds",
-        "msgs/s",
-        "send s",
-        "receive s",
-        "consume tx",
-    )
-    lines = [header]
-    for r in rows:
-        lines.append(
-            (
-                r.system,
-                r.workload,
-                str(r.readers),
-                str(r.messages),
-                f"{r.round.seconds:.3f}",
-                f"{r.rate:,.0f}",
-                f"{r.round.send_seconds:.3f}",
-                f"{r.round.receive_seconds:.3f}",
-                str(r.round.transactions),
-            )
+def check_connections(
+    server: ScratchServer,
+    systems: Sequence[System],
+    deep_systems: Sequence[System],
+    readers: Sequence[int],
+    deep_readers: set[int],
+) -> None:
+    """Warn when the busiest configuration may not fit in the server's free connections."""
+
+    def needed(n: int) -> int:
+        rigs = list(systems) + (list(deep_systems) if n in deep_readers else [])
+        return sum(n * CONSUMER_CONNECTIONS.get(s.name, 1) + 2 for s in rigs)
+
+    peak = max(needed(n) for n in readers)
+    with psycopg.connect(server.admin.conninfo, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT current_setting('max_connections')::int - count(*) FROM pg_stat_activity"
+            " WHERE backend_type = 'client backend'"
+        ).fetchone()
+    free = int(row[0]) if row else 0
+    if peak > free:
+        print(
+            f"warning: the busiest configuration holds about {peak} connections and the server "
+            f"has {free} free (max_connections); fewer --readers or --systems fit",
+            file=sys.stderr,
+            flush=True,
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = []
-    for n, line in enumerate(lines):
-        cells = [
-            cell.ljust(w) if i < 2 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
-        ]
-        out.append("  ".join(cells).rstrip())
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
-def ratio_lines(rows: Sequence[Row]) -> list[str]:
-    """``target`` lines for DESIGN's targets, ``info`` lines for the rest."""
-    rate = {(r.system, r.workload, r.readers): r.rate for r in rows}
-    lines: list[str] = []
-    for workload in dict.fromkeys(r.workload for r in rows):
-        for peer in (name for name in SYSTEMS if name != OURS):
-            per_readers = {
-                readers: rate[(OURS, workload, readers)] / rate[(peer, workload, readers)]
-                for (system, w, readers) in rate
-                if system == OURS and w == workload and (peer, workload, readers) in rate
-            }
-            if not per_readers:
-                continue
-            name = f"{workload}_vs_{peer}"
-            worst = min(per_readers.values())
-            detail = ", ".join(f"readers {k}: {v:.2f}" for k, v in sorted(per_readers.items()))
-            goal = TARGETS.get((workload, peer))
-            if goal is not None:
-                lines.append(f"target {name}: {worst:.2f} (goal >= {goal})")
-                lines.append(f"info {name}: {detail}")
-            else:
-                lines.append(f"info {name}: {worst:.2f} (lowest; {detail})")
-    return lines
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -375,9 +438,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--systems", type=csv, default=list(SYSTEMS), help="comma-separated; default: %(default)s"
     )
     p.add_argument("--workloads", type=csv, default=["single", "batched"])
-    p.add_argument("--readers", type=ints, default=[1, 2], help="reader process counts")
-    # Single messages are bound by one WAL flush per commit (about 400 msgs/s for pgmq on the
-    # 2-core dev box): these sizes keep a round at a few seconds and a full run near 2 minutes.
+    p.add_argument(
+        "--readers", type=ints, default=[1, 2, 4, 8], help="reader process counts: %(default)s"
+    )
+    p.add_argument(
+        "--backlog",
+        type=int,
+        default=1_000_000,
+        help="messages waiting before the deep-queue rounds start; 0 skips them: %(default)s",
+    )
+    p.add_argument(
+        "--backlog-readers",
+        type=ints,
+        default=None,
+        help="reader counts of the deep-queue rounds (default: every --readers count)",
+    )
+    # Single messages are bound by one WAL flush per commit (about 400-700 msgs/s on the 2-core
+    # dev box): these sizes keep a round at a few seconds.
     p.add_argument("--messages", type=int, default=1000, help="messages per single round")
     p.add_argument("--batched-messages", type=int, default=10000, help="messages per batched round")
     p.add_argument("--batch", type=int, default=100, help="messages per batched transaction")
@@ -413,24 +490,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.check()
     rows: list[Row] = []
     started = time.perf_counter()
+    deep_systems = [s for s in systems if s.name in BACKLOG_SYSTEMS] if args.backlog > 0 else []
+    deep_readers = set(args.readers if args.backlog_readers is None else args.backlog_readers)
+    check_connections(server, systems, deep_systems, args.readers, deep_readers)
     pool = ReaderPool(max(args.readers))
     try:
         for workload in chosen:
-            for readers in args.readers:
-                for row in measure(server, pool, systems, workload, readers, args.repeats):
-                    rows.append(row)
-                    print(
-                        f"  {row.system:15} {row.workload:8} readers={readers} "
-                        f"{row.rate:>9,.0f} msgs/s  (median round {row.round.seconds:.2f}s)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+            backlogs = Backlogs(server, workload, args.backlog)
+            try:
+                for readers in args.readers:
+                    deep = [backlogs.get(s) for s in deep_systems if readers in deep_readers]
+                    for row in measure(
+                        server, pool, systems, workload, readers, args.repeats, deep
+                    ):
+                        rows.append(row)
+                        print(
+                            f"  {row.system:15} {row.workload:8} readers={readers} "
+                            f"backlog={row.backlog:<8} {row.rate:>9,.0f} msgs/s  "
+                            f"(median round {row.round.seconds:.2f}s)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+            finally:
+                backlogs.drop()
     finally:
         pool.close()
         server.drop_all()
     print(format_table(rows))
     print()
-    for line in ratio_lines(rows):
+    print(format_scaling(rows))
+    print()
+    targets, infos = ratio_lines(rows, [s.name for s in systems])
+    for line in targets + infos:
         print(line)
     print(f"\n(total wall time {time.perf_counter() - started:.0f}s)", file=sys.stderr)
     return 0
