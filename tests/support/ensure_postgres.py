@@ -9,6 +9,7 @@ failure ends with a non-zero exit and says why.
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -65,11 +66,20 @@ def start(version: str) -> None:
     run("pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "start")
 
 
+def server_binaries() -> None:
+    """The TLS tests start a private cluster of their own (tests/support/tls_cluster.py): they
+    need initdb and pg_ctl here even when the test server answers from elsewhere."""
+    if not glob.glob("/usr/lib/postgresql/*/bin/initdb"):
+        print("PostgreSQL server binaries missing (initdb): installing them", flush=True)
+        install()
+
+
 def main() -> None:
     url = os.environ.get("BROKER_TEST_POSTGRES_URL", DEFAULT_URL)
     problem = answers(url)
     if problem is None:
         print(f"PostgreSQL answers at {make_url(url).render_as_string(hide_password=True)}")
+        server_binaries()
         return
     local = make_url(url).host in ("127.0.0.1", "localhost") and url == DEFAULT_URL
     if not local:
