@@ -209,3 +209,29 @@ def test_through_a_forwarder_each_hop_delivers_through_the_next_inbox(
     assert _drain(east, INIT_QUEUE) == []
     for b in (east, gw, west):
         b.dispose()
+
+
+def test_why_the_far_broker_dropped_a_batch_comes_back_to_the_sender(
+    make_pg_database: Callable[..., str], roles: Callable[[], str]
+) -> None:
+    """West hosts no target service and does not forward: its pass drops the inbox batch, and
+    the sender's rows then say why (the note travels back with the answers)."""
+    east_url, west_url = make_pg_database(), make_pg_database()
+    role = roles()
+    west = Broker.connect(west_url)
+    west.grant_delivery(role)
+    east = Broker.connect(east_url, resolver={"west": as_role(west_url, role)})
+    host_initiator(east)
+    east.create_route("ToWest", TARGET, None, "broker://west")
+    _send(east, 1, 2)
+    east.deliver()
+    west.deliver()
+    east.deliver()  # collects the answer: no acknowledgment, a note per packet
+    statuses = {r.transmission_status for r in east.transmission_queue()}
+    assert len(east.transmission_queue()) == 2
+    assert statuses == {
+        f"service {TARGET!r} is not hosted by broker instance {west.instance_id}, "
+        "which does not forward"
+    }
+    east.dispose()
+    west.dispose()

@@ -51,11 +51,13 @@ RETRY_BASE = timedelta(seconds=1)
 RETRY_CAP = timedelta(seconds=60)
 
 
-def backoff(attempts: int) -> timedelta:
-    """Delay before attempt number ``attempts + 1``: 1 s doubling up to :data:`RETRY_CAP`. The
-    exponent stops growing once the cap is reached, so a message that waits for days (thousands
-    of attempts) does not overflow the arithmetic."""
-    return min(RETRY_BASE * 2 ** min(max(attempts - 1, 0), 16), RETRY_CAP)
+def backoff(
+    attempts: int, *, base: timedelta = RETRY_BASE, cap: timedelta = RETRY_CAP
+) -> timedelta:
+    """Delay before attempt number ``attempts + 1``: ``base`` (1 s) doubling up to ``cap``
+    (:data:`RETRY_CAP`). The exponent stops growing once the cap is reached, so a message that
+    waits for days (thousands of attempts) does not overflow the arithmetic."""
+    return min(base * 2 ** min(max(attempts - 1, 0), 16), cap)
 
 
 class Outgoing(NamedTuple):
@@ -516,9 +518,7 @@ class Delivery:
         if handle not in self._seals:
             try:
                 self._seals[handle] = (dialogs.for_sending(self.conn, sender, now), None)
-            except dialogs.Wait as exc:
-                self._seals[handle] = (None, exc.reason)
-            except SecurityFailure as exc:
+            except (dialogs.Wait, SecurityFailure) as exc:
                 self._seals[handle] = (None, exc.reason)
         return self._seals[handle]
 

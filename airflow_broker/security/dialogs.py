@@ -74,7 +74,7 @@ def _remember(handle: uuid.UUID, key: bytes) -> None:
             _cache.popitem(last=False)
 
 
-def _master(purpose: str) -> bytes:
+def _master() -> bytes:
     master = crypto.master_key()
     if master is None:
         raise Wait(crypto.MASTER_KEY_MISSING_REASON)
@@ -86,7 +86,7 @@ def _unwrap(handle: uuid.UUID, sealed: bytes) -> bytes:
         key = _cache.get(handle)
     if key is None:
         try:
-            key = crypto.open_with_master(_master("a session key"), bytes(sealed))
+            key = crypto.open_with_master(_master(), bytes(sealed))
         except DialogSecurityError as exc:
             raise Wait(f"waiting for dialog security: {exc}") from exc
         _remember(handle, key)
@@ -113,8 +113,9 @@ def _store(
     local: str | None,
     remote: str | None,
     now: datetime,
-) -> bytes:
-    """Keep the endpoint's key; if another transaction stored one first, that one wins."""
+) -> Sealing:
+    """Keep the endpoint's key; if another transaction stored one first, that one wins (the
+    answer is whichever is stored)."""
     values = {
         "conversation_handle": handle,
         "session_key": crypto.seal_with_master(master, key),
@@ -126,7 +127,8 @@ def _store(
     ins = (postgresql if conn.dialect.name == "postgresql" else sqlite).insert(s.dialog_key)
     conn.execute(ins.values(**values).on_conflict_do_nothing())
     won = existing(conn, handle)
-    return key if won is None else won.key
+    assert won is not None  # ours, or the one that won
+    return won
 
 
 def for_sending(
@@ -155,7 +157,7 @@ def for_sending(
                 "certificate=...)), or begin it with encryption=False"
             )
         return None
-    master = _master("a session key")
+    master = _master()
     if binding.expires_at <= now:
         raise SecurityFailure(
             f"certificate {binding.certificate!r} of remote service binding {binding.name!r} "
@@ -199,35 +201,14 @@ def for_sending(
             else f"{binding.certificate!r}/{identity.name!r}"
         )
         raise SecurityFailure(f"certificate {name}: {exc.reason}", exc.code) from exc
-    if commit_with is not None:
-        with commit_with.begin() as own:
-            return _stored(own, handle, key, master, handshake, identity, binding, now)
-    return _stored(conn, handle, key, master, handshake, identity, binding, now)
-
-
-def _stored(
-    conn: Connection,
-    handle: uuid.UUID,
-    key: bytes,
-    master: bytes,
-    handshake: bytes,
-    identity: Any,
-    binding: Any,
-    now: datetime,
-) -> Sealing:
-    key = _store(
-        conn,
-        handle,
-        key,
-        master,
-        handshake,
+    stored = (
         None if identity is None else identity.name,
         binding.certificate,
-        now,
     )
-    _remember(handle, key)
-    found = existing(conn, handle)
-    return Sealing(key, handshake if found is None else found.handshake)
+    if commit_with is not None:
+        with commit_with.begin() as own:
+            return _store(own, handle, key, master, handshake, *stored, now)
+    return _store(conn, handle, key, master, handshake, *stored, now)
 
 
 def _target_identity(
@@ -252,7 +233,7 @@ def _target_identity(
             ERR_CERTIFICATE_EXPIRED,
         )
     try:
-        der = crypto.open_with_master(_master("a private key"), bytes(row.private_key))
+        der = crypto.open_with_master(_master(), bytes(row.private_key))
     except DialogSecurityError as exc:
         raise Wait(f"waiting for dialog security: {exc}") from exc
     return row.name, row.pem, crypto.load_private_key(der)
@@ -334,7 +315,7 @@ def for_receiving(
     except SecurityFailure as exc:
         names = name if remote is None else f"{name!r}/{remote!r}"
         raise SecurityFailure(f"certificate {names}: {exc.reason}", exc.code) from exc
-    master = _master("a session key")
+    master = _master()
     row = {
         "conversation_handle": handle,
         "session_key": crypto.seal_with_master(master, result.session_key),

@@ -35,6 +35,7 @@ from sqlalchemy import delete, insert, literal_column, select, text
 from sqlalchemy.exc import DBAPIError
 
 from airflow_broker.errors import InvalidDefinition, UnknownObject
+from airflow_broker.messaging.delivery import backoff
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.transport.inbound import Inbound
@@ -75,7 +76,8 @@ _MODE = text(
 
 
 def inbox_retry(attempts: int) -> timedelta:
-    return min(INBOX_RETRY * 2 ** min(max(attempts - 1, 0), 8), INBOX_RETRY_CAP)
+    """Delay before a batch left in a far inbox is pushed again (attempt ``attempts + 1``)."""
+    return backoff(attempts, base=INBOX_RETRY, cap=INBOX_RETRY_CAP)
 
 
 def inbox_mode(peer: BrokerContext) -> bool:
