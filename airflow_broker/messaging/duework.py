@@ -225,6 +225,9 @@ class DueWork:
             )
             if not went:
                 # Still cannot go: keep the original order, back off, and stop for this dialog.
+                # The whole dialog backs off: a later row still due would bring the dialog back
+                # at every pass (every waiting RECEIVE's, once a second) and retry it at once.
+                retry_at = now + backoff(msg.attempts + 2)
                 self.conn.execute(
                     update(t)
                     .where(
@@ -234,8 +237,13 @@ class DueWork:
                     .values(
                         attempts=msg.attempts + 1,
                         enqueued_at=msg.enqueued_at,
-                        next_attempt_at=now + backoff(msg.attempts + 2),
+                        next_attempt_at=retry_at,
                     )
+                )
+                self.conn.execute(
+                    update(t)
+                    .where(t.c.conversation_handle == handle, t.c.next_attempt_at < retry_at)
+                    .values(next_attempt_at=retry_at)
                 )
                 # The re-queued row has a new id; later rows keep theirs, and sequence numbers
                 # (not ids) give the order.

@@ -193,6 +193,8 @@ class Model:
                 ):
                     break
                 self._deliver(ep, mtype, body, seq)
+                if ep.far is not None and self.far_of(ep) is None:
+                    break  # the far side is gone: the dialog failed, what was to follow goes
                 if ep.pending:  # still cannot go: it and the rest wait, in order, as long
                     ep.pending += rest[i + 1 :]
                     ep.waiting_since = since
