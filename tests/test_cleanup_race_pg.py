@@ -15,6 +15,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from helpers import NOTE, ORDER, SUPPLIER, SUPPLIER_QUEUE, declare_pair, open_order
@@ -24,6 +26,7 @@ from sqlalchemy import text
 from airflow_broker import Broker, Transaction
 from airflow_broker.errors import BrokerError
 from airflow_broker.messaging.definitions import Definitions
+from airflow_broker.storage.endpoint_locks import ADVISORY_BUDGET
 
 pytestmark = pytest.mark.postgres
 
@@ -74,9 +77,27 @@ def _end_with_error(h: uuid.UUID, *_: uuid.UUID) -> Step:
     return lambda tx: tx.end_conversation(h, error_code=7, error_description="racing")
 
 
+def _row_locked(step: Callable[..., Step]) -> Callable[..., Step]:
+    """The same SEND past the transaction's budget of advisory locks: the fast path then locks
+    the far endpoints' rows (FOR KEY SHARE) instead."""
+
+    def make(h: uuid.UUID, h2: uuid.UUID) -> Step:
+        send = step(h, h2)
+
+        def run(tx: Transaction) -> Any:
+            tx._advisory_locked = {uuid.uuid4() for _ in range(ADVISORY_BUDGET)}
+            return send(tx)
+
+        return run
+
+    return make
+
+
 WRITERS = {
     "send_one": _send_one,
     "send_many": _send_many,
+    "send_one_row_locked": _row_locked(_send_one),
+    "send_many_row_locked": _row_locked(_send_many),
     "send_general": _send_general,
     "end_plain": _end_plain,
     "end_with_error": _end_with_error,

@@ -41,7 +41,9 @@ from transport_procs import (
 )
 
 from airflow_broker import Broker, ConversationEnded, Transaction
+from airflow_broker.messaging import transaction
 from airflow_broker.storage import clock
+from airflow_broker.storage.endpoint_locks import exclude_writers
 
 pytestmark = pytest.mark.postgres
 
@@ -106,15 +108,20 @@ def test_both_sides_ending_at_once_do_not_deadlock(pair: Broker) -> None:
     assert pair.check() == []
 
 
+@pytest.mark.parametrize("far_lock", ["advisory", "row"])
 def test_end_after_the_far_end_does_not_wait_for_a_send_that_holds_the_far_endpoint(
-    pair: Broker,
+    pair: Broker, far_lock: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The initiator has ended (DO) and the target, told (DI), ends too: its END closes the
     initiator's endpoint. Meanwhile a SEND on several conversations, the ended initiator among
-    them, locks its senders and waits (KEY SHARE) for the target's endpoint, which the END
-    holds. The END once updated the initiator's endpoint there and then: a deadlock (the stress
-    run found it). Now it does not wait for a far endpoint someone holds (rule 4): its
-    EndDialog waits in the transmission queue, and due work closes the initiator with it."""
+    them, waits for the target's endpoint, which the END holds: for its advisory lock before it
+    locks anything, or (row locks, past the transaction's advisory budget) with its senders
+    locked, for the row. The END once updated the initiator's endpoint there and then: a
+    deadlock in the second case (the stress run found it). Now it does not wait for a far
+    endpoint someone holds (rule 4): its EndDialog waits in the transmission queue, and due
+    work closes the initiator with it."""
+    if far_lock == "row":
+        monkeypatch.setattr(transaction, "ADVISORY_BUDGET", 0)
     h, t = open_order(pair)
     other, _ = open_order(pair)
     with pair.transaction() as tx:
@@ -122,7 +129,9 @@ def test_end_after_the_far_end_does_not_wait_for_a_send_that_holds_the_far_endpo
     assert (_state(pair, h), _state(pair, t)) == ("DO", "DI")
 
     def end_locks_its_endpoint(tx: Transaction) -> None:
-        # END CONVERSATION's first step (after the group): its own endpoint FOR UPDATE.
+        # END CONVERSATION's first step (after the group): its own endpoint exclusively, the
+        # advisory lock and the row FOR UPDATE.
+        exclude_writers(tx.connection, [t])
         tx.connection.execute(
             text(
                 "SELECT 1 FROM broker_conversation_endpoint"

@@ -27,20 +27,26 @@ The lock order (PostgreSQL)
        ... ON QUEUE and DROP SERVICE for the groups of all the service's endpoints, in id order,
        before they lock those. A reader that answers or ends on what it received therefore
        never waits for an END that waits for it.
-    1. Whoever writes a message into an endpoint's queue holds a lock on that endpoint's row
-       taken before (or in the statement of) the write, and writes nothing if the row is gone:
-       SEND's fast path takes the far endpoint ``FOR KEY SHARE`` and reads its queue and group
-       from the locked row; the general path updates the far endpoint (its receive sequence)
-       before inserting; system messages and timers write to an endpoint they have just
-       updated; the inbound accept of delivery updates the receiving endpoint first.
+    1. Whoever writes a message into an endpoint's queue holds a lock on that endpoint taken
+       before the write, reads the endpoint after the lock is granted, and writes nothing if it
+       is gone: SEND's fast path takes the far endpoint's advisory lock *shared*
+       (:mod:`airflow_broker.storage.endpoint_locks`: in memory, nothing written; past a budget
+       per transaction its row ``FOR KEY SHARE``) and reads its queue and group afresh in the
+       next statement of the same server-side function; the general path locks the far
+       endpoint ``FOR KEY SHARE`` and updates it (its receive sequence) before inserting;
+       system messages and timers write to an endpoint they have just updated; the inbound
+       accept of delivery updates the receiving endpoint first.
     2. Whoever changes its own endpoint (SEND's sequence numbers, END) takes ``FOR NO KEY
        UPDATE``, which does not conflict with the far side's ``KEY SHARE``: the two sides of a
        dialog still send at the same time without waiting for each other.
-    3. Whoever removes an endpoint or its messages (END CONVERSATION of every kind, the purge
-       of closed endpoints, DROP) or moves its messages (MOVE CONVERSATION, ALTER SERVICE ... ON
-       QUEUE) first takes ``FOR UPDATE`` on it, which waits for every writer of rule 1; the
+    3. Whoever removes an endpoint or its messages (END CONVERSATION of every kind, DROP, a
+       reset of the broker's identity) or moves its messages (MOVE CONVERSATION, ALTER SERVICE
+       ... ON QUEUE) first takes its advisory lock *exclusive*, then ``FOR UPDATE`` on its row
+       (``endpoint_locks.exclude_writers``), which wait for every writer of rule 1; the
        messages they committed are then visible to the removal. Several endpoints are locked in
-       handle order.
+       handle order. The purge of closed endpoints takes only the rows (``FOR UPDATE SKIP
+       LOCKED``): the END that closed an endpoint already waited for the fast path, which
+       writes into no closed endpoint.
     4. A transaction that holds its own endpoint never waits for the far one: the general path
        locks the far endpoint with SKIP LOCKED, and when another transaction holds it (the far
        side is sending or ending too) the message waits in the transmission queue, behind

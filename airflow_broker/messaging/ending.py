@@ -32,6 +32,7 @@ from airflow_broker.messaging.objects import (
 from airflow_broker.messaging.tx_core import TransactionCore
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
+from airflow_broker.storage.endpoint_locks import exclude_writers
 
 log = logging.getLogger("airflow_broker")
 
@@ -69,11 +70,12 @@ class Ending(TransactionCore):
         try:
             self._require_conversations([h])
             if self.broker.dialect == "postgresql":
-                # The lock order: the group (rule 0), then the endpoint FOR UPDATE (rule 3),
-                # which waits for every writer into its queue (they hold KEY SHARE): the
-                # messages they committed are then seen, and removed with the endpoint or with
-                # this side's END.
+                # The lock order: the group (rule 0), then the endpoint exclusively (rule 3):
+                # its advisory lock and its row FOR UPDATE, which wait for every writer into
+                # its queue: the messages they committed are then seen, and removed with the
+                # endpoint or with this side's END.
                 self._lock_groups_of(h)
+                exclude_writers(self.connection, [h])
                 self._execute(
                     select(s.conversation_endpoint.c.conversation_handle)
                     .where(s.conversation_endpoint.c.conversation_handle == h)

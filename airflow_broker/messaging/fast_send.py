@@ -149,58 +149,17 @@ _SENDER_NEXT = (
     .values(send_sequence=bindparam("b_next"), state=bindparam("b_state"))
 )
 
-#: PostgreSQL: SEND of one message on one conversation, checks included, in one statement. It
-#: writes only when the conversation is on the fast path (see on_fast_path) and may send this
-#: message type under its contract; otherwise it returns no row, writes nothing, and the caller
-#: takes the general path, which says precisely what is wrong. The far endpoint is locked FOR KEY
-#: SHARE first (``far``), and its queue and group are read from the locked row: a cleanup that
-#: removed it meanwhile leaves ``far`` empty, and nothing is written.
-#:
-#: ``seen`` guards against a stale snapshot: when the sender's row was changed by a transaction
-#: that committed after this statement began (another SEND on it, perhaps one whose message had
-#: to wait in the transmission queue), the UPDATE re-checks its conditions on the new row version
-#: but the NOT EXISTS still sees the old snapshot, and the message could overtake the waiting one.
-#: The send sequence then differs from what ``seen`` read, and the general path takes over.
+#: PostgreSQL: SEND of one message on one conversation, checks included, in one round trip: the
+#: function ``broker_send_one`` (:mod:`airflow_broker.storage.endpoint_locks`) locks the far
+#: endpoint (a shared advisory lock, or FOR KEY SHARE when ``row_lock``), then reads it afresh
+#: and writes only when the conversation is on the fast path (see on_fast_path) and may send
+#: this message type under its contract. Otherwise it returns NULL, writes nothing, and the
+#: caller takes the general path, which says precisely what is wrong. A cleanup that removed the
+#: far endpoint before the lock was granted leaves nothing to write into.
 SEND_ONE_PG = text(
-    """
-WITH far AS (
-    SELECT f.conversation_handle, f.queue_id, f.conversation_group_id, f.priority,
-           f.service_name, f.state
-    FROM broker_conversation_endpoint s
-    JOIN broker_conversation_endpoint f ON f.conversation_handle = s.far_handle
-    WHERE s.conversation_handle = :handle
-    FOR KEY SHARE OF f
-), seen AS (
-    SELECT send_sequence FROM broker_conversation_endpoint WHERE conversation_handle = :handle
-), snd AS (
-    UPDATE broker_conversation_endpoint e
-    SET send_sequence = e.send_sequence + 1,
-        state = CASE WHEN e.state = 'SO' THEN 'CO' ELSE e.state END
-    FROM far f, broker_queue fq, broker_queue q, broker_contract_message cm
-    WHERE e.conversation_handle = :handle
-      AND e.state IN ('SO', 'SI', 'CO')
-      AND e.send_sequence = (SELECT send_sequence FROM seen)
-      AND (e.lifetime IS NULL OR e.lifetime > :now)
-      AND f.conversation_handle = e.far_handle AND f.state NOT IN ('DO', 'CD')
-      AND fq.queue_id = f.queue_id AND fq.status
-      AND q.queue_id = e.queue_id AND NOT q.retention
-      AND cm.contract_name = e.contract_name AND cm.message_type_name = :message_type
-      AND cm.sent_by IN ('any', CASE WHEN e.is_initiator THEN 'initiator' ELSE 'target' END)
-      AND NOT EXISTS (SELECT 1 FROM broker_transmission_queue t
-                      WHERE t.conversation_handle = e.conversation_handle)
-    RETURNING e.send_sequence - 1 AS seq, f.queue_id, f.conversation_group_id,
-              f.conversation_handle, f.priority, f.service_name, e.contract_name
-), ins AS (
-    INSERT INTO broker_message (
-        queue_id, conversation_group_id, conversation_handle, message_sequence_number, status,
-        priority, precedence, service_name, service_contract_name, message_type_name,
-        validation, message_body, enqueued_at)
-    SELECT queue_id, conversation_group_id, conversation_handle, seq, 1, priority, :precedence,
-           service_name, contract_name, :message_type, :validation, :body, :now
-    FROM snd
-)
-SELECT seq FROM snd
-"""
+    "SELECT broker_send_one(:handle, CAST(:message_type AS varchar), "
+    "CAST(:precedence AS smallint), CAST(:validation AS varchar), CAST(:body AS bytea), "
+    "CAST(:now AS timestamptz), CAST(:row_lock AS boolean))"
 ).bindparams(bindparam("handle", type_=Uuid()))
 
 
@@ -269,54 +228,16 @@ def send_fast(
     )
 
 
-#: PostgreSQL: SEND of one message on many conversations in one statement: it writes only if
-#: every conversation is on the fast path and may send this message type (the ``cand`` rows,
-#: which lock their far endpoints FOR KEY SHARE, in handle order, as they are read). The UPDATE
-#: skips a sender that another transaction changed after this statement's snapshot (it waited
-#: for that one's lock, then finds another send sequence or state than ``cand`` read; see
-#: ``seen`` in SEND_ONE_PG for why that matters): the statement returns the handles it sent on,
-#: and the caller sends on the others by the general path, in the same transaction, which reads
-#: them afresh.
+#: PostgreSQL: SEND of one message on many conversations in one round trip (the function
+#: ``broker_send_many``): it locks the far endpoints in handle order, then writes only if every
+#: conversation is on the fast path and may send this message type. The UPDATE skips a sender
+#: that another transaction changed after the function's snapshot (it waited for that one's
+#: lock, then finds another send sequence or state than it read; see ``seen`` in
+#: ``broker_send_one`` for why that matters): the statement returns the handles it sent on, and
+#: the caller sends on the others by the general path, in the same transaction, which reads them
+#: afresh.
 SEND_MANY_PG = text(
-    """
-WITH cand AS (
-    SELECT e.conversation_handle, f.queue_id, f.conversation_group_id,
-           f.conversation_handle AS far_handle, f.priority, f.service_name, e.contract_name,
-           e.send_sequence AS seen_sequence, e.state AS seen_state
-    FROM broker_conversation_endpoint e
-    JOIN broker_conversation_endpoint f
-      ON f.conversation_handle = e.far_handle AND f.state NOT IN ('DO', 'CD')
-    JOIN broker_queue fq ON fq.queue_id = f.queue_id AND fq.status
-    JOIN broker_queue q ON q.queue_id = e.queue_id AND NOT q.retention
-    JOIN broker_contract_message cm
-      ON cm.contract_name = e.contract_name AND cm.message_type_name = :message_type
-     AND cm.sent_by IN ('any', CASE WHEN e.is_initiator THEN 'initiator' ELSE 'target' END)
-    WHERE e.conversation_handle = ANY(CAST(:handles AS uuid[]))
-      AND e.state IN ('SO', 'SI', 'CO')
-      AND (e.lifetime IS NULL OR e.lifetime > :now)
-      AND NOT EXISTS (SELECT 1 FROM broker_transmission_queue t
-                      WHERE t.conversation_handle = e.conversation_handle)
-    ORDER BY f.conversation_handle
-    FOR KEY SHARE OF f
-), snd AS (
-    UPDATE broker_conversation_endpoint e
-    SET send_sequence = e.send_sequence + 1,
-        state = CASE WHEN e.state = 'SO' THEN 'CO' ELSE e.state END
-    FROM cand
-    WHERE e.conversation_handle = cand.conversation_handle
-      AND (SELECT count(*) FROM cand) = :n
-      AND e.send_sequence = cand.seen_sequence AND e.state = cand.seen_state
-    RETURNING e.conversation_handle, e.send_sequence - 1 AS seq
-), ins AS (
-    INSERT INTO broker_message (
-        queue_id, conversation_group_id, conversation_handle, message_sequence_number, status,
-        priority, precedence, service_name, service_contract_name, message_type_name,
-        validation, message_body, enqueued_at)
-    SELECT cand.queue_id, cand.conversation_group_id, cand.far_handle, snd.seq, 1,
-           cand.priority, :precedence, cand.service_name, cand.contract_name, :message_type,
-           :validation, :body, :now
-    FROM snd JOIN cand ON cand.conversation_handle = snd.conversation_handle
-)
-SELECT conversation_handle FROM snd
-"""
+    "SELECT * FROM broker_send_many(CAST(:handles AS uuid[]), CAST(:message_type AS varchar), "
+    "CAST(:precedence AS smallint), CAST(:validation AS varchar), CAST(:body AS bytea), "
+    "CAST(:now AS timestamptz), CAST(:row_lock AS boolean))"
 )

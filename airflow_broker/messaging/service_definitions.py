@@ -28,6 +28,7 @@ from airflow_broker.messaging.ending import Ending
 from airflow_broker.security import permissions
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
+from airflow_broker.storage.endpoint_locks import exclude_writers
 
 log = logging.getLogger("airflow_broker")
 
@@ -167,6 +168,12 @@ class ServiceDefinitions(DefinitionsCore):
                 .order_by(g.c.conversation_group_id)
                 .with_for_update(key_share=True)  # FOR NO KEY UPDATE, as RECEIVE takes it
             )
+        exclude_writers(
+            self._conn,
+            self._conn.execute(select(e.c.conversation_handle).where(e.c.service_name == name))
+            .scalars()
+            .all(),
+        )
         self._conn.execute(
             select(e.c.conversation_handle)
             .where(e.c.service_name == name)

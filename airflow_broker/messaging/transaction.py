@@ -64,6 +64,7 @@ from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.adapters import FailedHold
 from airflow_broker.storage.clock import aware, utcnow
+from airflow_broker.storage.endpoint_locks import ADVISORY_BUDGET, exclude_writers
 
 log = logging.getLogger("airflow_broker")
 
@@ -400,19 +401,24 @@ class Transaction(Receiving, Ending):
             validate_body(message_type, validation, json_schema, payload)
         except MessageValidationError:
             return handles  # the general path raises it, after the checks that come first
+        # The far endpoints are locked in memory (advisory locks) up to a budget per
+        # transaction, then by row locks (storage.endpoint_locks says why).
+        in_memory = self._advisory_locked | set(handles)
+        row_lock = len(in_memory) > ADVISORY_BUDGET
+        if not row_lock:
+            self._advisory_locked = in_memory
         params = {
             "now": now,
             "message_type": message_type,
             "precedence": precedence(message_type),
             "validation": VALIDATION_CODES[validation],
             "body": payload,
+            "row_lock": row_lock,
         }
         if len(handles) == 1:
-            row = self._execute(SEND_ONE_PG, {**params, "handle": handles[0]}).first()
-            return handles if row is None else []
-        sent = set(
-            self._execute(SEND_MANY_PG, {**params, "handles": handles, "n": len(handles)}).scalars()
-        )
+            seq = self._execute(SEND_ONE_PG, {**params, "handle": handles[0]}).scalar()
+            return handles if seq is None else []
+        sent = set(self._execute(SEND_MANY_PG, {**params, "handles": handles}).scalars())
         if sent:
             self._dirty = True
         return [h for h in handles if h not in sent]
@@ -481,7 +487,8 @@ class Transaction(Receiving, Ending):
         e = s.conversation_endpoint
         if self.broker.dialect == "postgresql":
             # The lock order: moving an endpoint's messages waits for writers into its queue
-            # (KEY SHARE), so none of them files a message under the old group afterwards.
+            # (rule 3), so none of them files a message under the old group afterwards.
+            exclude_writers(self.connection, [h])
             self._execute(
                 select(e.c.conversation_handle)
                 .where(e.c.conversation_handle == h)

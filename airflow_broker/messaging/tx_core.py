@@ -71,6 +71,9 @@ class TransactionCore:
         self._received: dict[str, int] = {}
         #: a client role's grants, read once per transaction (None: not read yet)
         self._grants: permissions.Grants | None = None
+        #: PostgreSQL: the senders whose far endpoints this transaction's fast-path SENDs
+        #: locked in memory (storage.endpoint_locks.ADVISORY_BUDGET bounds them)
+        self._advisory_locked: set[uuid.UUID] = set()
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Self:

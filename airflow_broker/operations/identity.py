@@ -47,6 +47,7 @@ from airflow_broker.routing.routes import routes_of
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.context import BrokerContext
+from airflow_broker.storage.endpoint_locks import exclude_writers
 from airflow_broker.storage.identity import MODES, identity_status, record_fingerprint
 
 log = logging.getLogger("airflow_broker")
@@ -221,6 +222,7 @@ def _end_with_error(
                 .with_for_update(key_share=True)  # FOR NO KEY UPDATE, as RECEIVE takes it
             )
         for chunk in _chunks(handles):
+            exclude_writers(conn, chunk)
             conn.execute(
                 select(e.c.conversation_handle)
                 .where(e.c.conversation_handle.in_(chunk))

@@ -37,6 +37,8 @@ from sqlalchemy import event as sa_event
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import DDL, CreateTable
 
+from airflow_broker.storage.endpoint_locks import FUNCTIONS as SEND_FUNCTIONS
+
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -341,6 +343,9 @@ $$
 """
 )
 sa_event.listen(message, "after_create", _NOTIFY_FUNCTION.execute_if(dialect="postgresql"))
+# SEND's fast path as functions that lock the far endpoint in memory (migration 0013).
+for _ddl in SEND_FUNCTIONS:
+    sa_event.listen(message, "after_create", DDL(_ddl).execute_if(dialect="postgresql"))
 for _op in ("INSERT", "UPDATE"):
     sa_event.listen(
         message,
