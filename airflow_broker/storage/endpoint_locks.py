@@ -144,10 +144,11 @@ BEGIN
         ORDER BY f.conversation_handle
         FOR KEY SHARE;
     ELSE
-        PERFORM pg_advisory_xact_lock_shared(uuid_hash_extended(fh.h, {ENDPOINT_LOCK_SEED}))
-        FROM (SELECT DISTINCT far_handle AS h FROM broker_conversation_endpoint
-              WHERE conversation_handle = ANY(p_handles) AND far_handle IS NOT NULL
-              ORDER BY 1 OFFSET 0) AS fh;
+        -- PostgreSQL evaluates a volatile function of the select list after the sort.
+        PERFORM pg_advisory_xact_lock_shared(uuid_hash_extended(far_handle, {ENDPOINT_LOCK_SEED}))
+        FROM broker_conversation_endpoint
+        WHERE conversation_handle = ANY(p_handles) AND far_handle IS NOT NULL
+        ORDER BY far_handle;
     END IF;
     -- A new snapshot. It writes only if every conversation is on the fast path and may send
     -- this message type; the UPDATE skips a sender that another transaction changed after
@@ -189,6 +190,10 @@ BEGIN
                cand.priority, p_precedence, cand.service_name, cand.contract_name,
                p_message_type, p_validation, p_body, p_now
         FROM snd JOIN cand ON cand.conversation_handle = snd.conversation_handle
+        -- In the far handles' order, the order of the group index RECEIVE reads them by:
+        -- a group's messages then lie together in the table (measured: RECEIVE TOP (100)
+        -- of 100 dialogs in 4 groups takes 5% longer in another order).
+        ORDER BY cand.far_handle
     )
     SELECT snd.conversation_handle FROM snd;
 END
