@@ -528,6 +528,24 @@ def test_end_with_error_drops_pending_outgoing_messages(broker: Broker) -> None:
     assert endpoint(broker, h).state == "CD"
 
 
+def test_an_error_from_the_far_side_drops_what_waited_to_go_to_it(broker: Broker) -> None:
+    """The supplier's Invoice waits for the buyer's disabled queue; the buyer ends WITH ERROR.
+    The supplier fails (ER) and can send nothing more: the Invoice leaves the transmission
+    queue with the Error's arrival, as it does when the Error comes from another broker (the
+    model-based test's final check found it left behind)."""
+    h, target = open_order(broker)
+    broker.alter_queue(BUYER_QUEUE, status=False)
+    send(broker, target, INVOICE, {"n": 1})
+    assert [r.message_type_name for r in broker.transmission_queue()] == [INVOICE]
+    end(broker, h, error_code=50003, error_description="cancelled")
+    assert endpoint(broker, target).state == "ER"
+    assert broker.transmission_queue() == []
+    assert broker.check() == []
+    broker.alter_queue(BUYER_QUEUE, status=True)
+    broker.run_due()
+    assert drain(broker, BUYER_QUEUE) == []
+
+
 def test_end_with_cleanup(broker: Broker) -> None:
     h, target = open_order(broker)
     send(broker, target, INVOICE, {"n": 1})

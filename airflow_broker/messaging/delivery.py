@@ -433,12 +433,21 @@ class Delivery:
                 # closed now: the purge of closed endpoints counts its retention from here
                 values["closed_at"] = now
         f = s.conversation_endpoint
-        return self.conn.execute(
+        row = self.conn.execute(
             update(f)
             .where(f.c.conversation_handle == far_handle)
             .values(**values)
             .returning(f.c.queue_id, f.c.conversation_group_id, f.c.priority, f.c.service_name)
         ).first()
+        if values.get("state") == "ER":
+            # A failed side can send nothing more: what waited to leave it goes, as when the
+            # Error arrives from another broker (transport.inbound).
+            self.conn.execute(
+                delete(s.transmission_queue).where(
+                    s.transmission_queue.c.conversation_handle == far_handle
+                )
+            )
+        return row
 
     def _to_transmission(
         self,
