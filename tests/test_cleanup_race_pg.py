@@ -19,9 +19,19 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from helpers import NOTE, ORDER, SUPPLIER, SUPPLIER_QUEUE, declare_pair, open_order
+from helpers import (
+    BUYER,
+    CONTRACT,
+    NOTE,
+    ORDER,
+    SUPPLIER,
+    SUPPLIER_QUEUE,
+    declare_pair,
+    open_order,
+)
 from races import Step, orphans, race
 from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 
 from airflow_broker import Broker, Transaction
 from airflow_broker.errors import BrokerError
@@ -259,3 +269,57 @@ def test_sending_in_a_loop_while_the_target_is_cleaned_up_leaves_no_orphan(pair:
     _assert_consistent(pair)
     with pair.transaction() as tx:
         assert tx.receive(SUPPLIER_QUEUE) == []
+
+
+def test_past_its_budget_a_transaction_locks_far_endpoints_by_row(pair: Broker) -> None:
+    """PostgreSQL's lock table is shared by the whole server: a transaction that SENDs on more
+    conversations than ADVISORY_BUDGET holds that many advisory locks at most, and locks the
+    rest of the far endpoints' rows FOR KEY SHARE (a FOR UPDATE elsewhere must wait for those
+    only); every message arrives."""
+    count = ADVISORY_BUDGET + 5
+    with pair.transaction() as tx:
+        handles = [tx.begin_dialog(BUYER, SUPPLIER, CONTRACT) for _ in range(count)]
+        tx.send(handles, NOTE, "first")  # the general path creates the target endpoints
+    _drain_all(pair)
+    far = text("SELECT far_handle FROM broker_conversation_endpoint WHERE conversation_handle = :h")
+
+    def row_locked(conn: Any, h: uuid.UUID) -> bool:
+        try:
+            with conn.begin():
+                conn.execute(text("SET LOCAL lock_timeout = '100ms'"))
+                conn.execute(
+                    text(
+                        "SELECT 1 FROM broker_conversation_endpoint "
+                        "WHERE conversation_handle = :f FOR UPDATE"
+                    ),
+                    {"f": conn.execute(far, {"h": h}).scalar_one()},
+                )
+            return False
+        except OperationalError:
+            return True
+
+    with pair.transaction() as tx:
+        for h in handles:
+            tx.send(h, NOTE, "one by one")  # the fast path, one conversation at a time
+        advisory = tx.connection.execute(
+            text(
+                "SELECT count(*) FROM pg_locks "
+                "WHERE pid = pg_backend_pid() AND locktype = 'advisory'"
+            )
+        ).scalar_one()
+        with pair.engine.connect() as other:
+            locked = [row_locked(other, h) for h in (handles[0], handles[-1])]
+    assert advisory == ADVISORY_BUDGET
+    assert locked == [False, True]
+    assert _drain_all(pair) == count
+
+
+def _drain_all(pair: Broker) -> int:
+    """RECEIVE from the supplier's queue until it is empty (one group at a time); how many."""
+    taken = 0
+    while True:
+        with pair.transaction() as tx:
+            got = tx.receive(SUPPLIER_QUEUE)
+        if not got:
+            return taken
+        taken += len(got)

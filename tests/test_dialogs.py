@@ -43,6 +43,7 @@ from airflow_broker import (
 )
 from airflow_broker.constants import ERR_CONTRACT_NOT_SUPPORTED, ERR_LIFETIME_EXPIRED
 from airflow_broker.messaging.objects import ConversationEndpoint
+from airflow_broker.storage import clock
 
 NOWHERE = "//nowhere/Service"
 
@@ -544,6 +545,25 @@ def test_an_error_from_the_far_side_drops_what_waited_to_go_to_it(broker: Broker
     broker.alter_queue(BUYER_QUEUE, status=True)
     broker.run_due()
     assert drain(broker, BUYER_QUEUE) == []
+
+
+def test_a_waiting_dialog_backs_off_as_a_whole(broker: Broker) -> None:
+    """Two Invoices wait for the buyer's disabled queue. A due-work pass that finds the queue
+    still disabled puts off every waiting row of the dialog, not only the first: a later row
+    still due would bring the dialog back at every pass (every waiting RECEIVE's, once a
+    second)."""
+    _, target = open_order(broker)
+    broker.alter_queue(BUYER_QUEUE, status=False)
+    send(broker, target, INVOICE, {"n": 1}, {"n": 2})
+    try:
+        clock.advance(3600)  # past every row's first retry time
+        broker.run_due()
+        now = clock.utcnow()
+        rows = broker.transmission_queue()
+        assert [r.message_type_name for r in rows] == [INVOICE, INVOICE]
+        assert all(r.next_attempt_at > now for r in rows), [r.next_attempt_at for r in rows]
+    finally:
+        clock.reset()
 
 
 def test_end_with_cleanup(broker: Broker) -> None:
