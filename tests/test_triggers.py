@@ -34,7 +34,7 @@ from airflow_broker.provider.compat import (
     TriggerEvent,
 )
 from airflow_broker.provider.triggers import activation as trigger_module
-from airflow_broker.provider.triggers.activation import QueueActivationTrigger
+from airflow_broker.provider.triggers.activation import QueueActivationTrigger, QueueWaiter
 from airflow_broker.provider.triggers.conversation import ConversationMessageTrigger
 from airflow_broker.provider.triggers.queues import BrokerMessageQueueProvider
 from airflow_broker.sensors import ConversationSensor, QueueActivationSensor
@@ -415,6 +415,25 @@ def test_cleanup_closes_the_trigger_connections(broker: Broker) -> None:
         # later (on a loaded machine, after the first look: seen once in CI).
         await eventually(lambda: listeners() == 0, timeout=10)
         assert trigger_module._brokers == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_cancel_that_meets_a_notify_stops_the_waiter(broker: Broker) -> None:
+    """The triggerer cancels a trigger while it waits; a NOTIFY may set the waiter's event in
+    the same loop turn. The cancel must win (CI once saw a cancelled trigger run on for good:
+    Python 3.11's ``asyncio.wait_for`` returns the event's result and drops the cancel)."""
+
+    async def scenario() -> None:
+        waiter = QueueWaiter(broker, 1, poll_interval=30)
+        for _ in range(20):
+            waiter.clear()
+            task = asyncio.create_task(waiter.wait())
+            await asyncio.sleep(0)  # the task is inside wait()
+            waiter.event.set()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
 
     asyncio.run(scenario())
 

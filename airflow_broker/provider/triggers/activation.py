@@ -223,9 +223,13 @@ class QueueWaiter:
             await self.open()  # reconnect (or fall back to polling for a while)
         elif self._retry_at is not None and asyncio.get_running_loop().time() >= self._retry_at:
             await self.open()
+        limit = self.poll_interval if timeout is None else min(timeout, self.poll_interval)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that
+        # arrives in the loop turn the event is set in (a NOTIFY as the triggerer cancels the
+        # trigger), and the cancelled trigger then runs on for good.
         with contextlib.suppress(TimeoutError):
-            limit = self.poll_interval if timeout is None else min(timeout, self.poll_interval)
-            await asyncio.wait_for(self.event.wait(), timeout=max(limit, 0.0))
+            async with asyncio.timeout(max(limit, 0.0)):
+                await self.event.wait()
 
     async def close(self) -> None:
         listener, key = self._listener, self._key
