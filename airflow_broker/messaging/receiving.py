@@ -71,7 +71,8 @@ class Receiving(TransactionCore):
         else:
             adapter.hold_more(lease, held)
         # This hand-out is counted in the row only if it fails (its transaction is undone).
-        return messages_from_rows(rows, counted=False)
+        ordered = queries.claim_is_ordered(adapter.dialect)
+        return messages_from_rows(rows, counted=False, ordered=ordered)
 
     def _claim(
         self,
@@ -91,10 +92,7 @@ class Receiving(TransactionCore):
             raise InvalidDefinition("give conversation_handle or conversation_group, not both")
         self._require_receive(queue)
         q = self._queue(queue)
-        params: dict[str, Any] = {
-            "queue_id": q.queue_id,
-            "top": top if top is not None else queries.no_limit(self.broker.dialect),
-        }
+        params: dict[str, Any] = {"queue_id": q.queue_id}
         if conversation_handle is not None:
             params["handle"] = as_uuid(conversation_handle, "conversation handle")
         if conversation_group is not None:
@@ -115,6 +113,7 @@ class Receiving(TransactionCore):
         by_handle, by_group = conversation_handle is not None, conversation_group is not None
         stmt = queries.claim_statement(
             self.broker.dialect,
+            top=top,
             by_handle=by_handle,
             by_group=by_group,
             retention=q.retention,

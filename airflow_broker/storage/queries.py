@@ -14,7 +14,7 @@ Values are always bound; the only text substituted is fixed in this module.
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 from sqlalchemy import (
@@ -66,6 +66,17 @@ _COLUMN_TYPES: dict[str, Any] = {
 
 #: Messages of one group come out timers first, then errors, then each dialog in sequence order.
 GROUP_ORDER = "m.priority DESC, m.precedence, m.conversation_handle, m.message_sequence_number"
+
+
+#: The claimed rows in :data:`GROUP_ORDER` (PostgreSQL: a sort of at most ``top`` rows in the
+#: server, cheaper than sorting them in Python by their UUIDs).
+_TAKEN_ORDER = "ORDER BY " + GROUP_ORDER.replace("m.", "")
+
+
+def claim_is_ordered(dialect: str) -> bool:
+    """Whether :func:`claim_statement` returns its rows in :data:`GROUP_ORDER` (PostgreSQL's
+    does; SQLite has no data-modifying CTE to sort them in)."""
+    return dialect == "postgresql"
 
 
 #: Every picker also checks the queue is enabled, so the hot path needs no separate lookup; an
@@ -143,21 +154,31 @@ def _typed(sql: str, *, by_handle: bool, by_group: bool) -> TextClause:
     return text(sql).bindparams(*params)
 
 
-@cache
+@lru_cache(maxsize=256)
 def claim_statement(
     dialect: str,
     *,
+    top: int | None = None,
     by_handle: bool = False,
     by_group: bool = False,
     retention: bool = False,
     mark: bool = False,
     lease: bool = False,
 ) -> TextClause:
-    """RECEIVE: lock one conversation group and take up to ``:top`` of its ready messages.
+    """RECEIVE: lock one conversation group and take up to ``top`` of its ready messages (all of
+    them when None).
 
-    Bind ``queue_id``, ``top`` (None on PostgreSQL / -1 on SQLite for no limit) and ``handle`` or
-    ``group_id`` when filtering. Rows come back unordered (RETURNING keeps no order): sort them
-    by :data:`GROUP_ORDER`'s columns.
+    Bind ``queue_id`` and ``handle`` or ``group_id`` when filtering. On PostgreSQL the rows come
+    back in :data:`GROUP_ORDER`; on SQLite unordered (RETURNING keeps no order, and SQLite has
+    no data-modifying CTE to sort): sort them there by :data:`GROUP_ORDER`'s columns.
+
+    The statement is shaped for the plan cache. psycopg prepares it on its fifth run, and the
+    server then keeps one generic plan only if that plan looks no dearer than planning each run
+    anew; otherwise it plans every run, which on PostgreSQL costs twice what running the claim
+    does. So ``top`` is written into the text (a bound LIMIT is estimated at a tenth of the
+    table, which priced the generic plan out), and the messages are taken by
+    ``queuing_order = ANY(ARRAY(...))``, which stays an index scan of the primary key in any
+    plan (``IN (SELECT ...)`` became a hash join over the whole table in the generic plan).
 
     ``mark`` (PostgreSQL, poison handling on; bind ``lease_key``): when messages are taken, the
     same statement inserts this transaction's commit marker for its lease and ends the queue's run
@@ -178,11 +199,10 @@ def claim_statement(
         "picked AS (SELECT m.queuing_order FROM broker_message m "
         "WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) "
         f"AND m.queue_id = :queue_id AND m.status = 1 AND m.lease_token IS NULL {handle_filter} "
-        f"ORDER BY {GROUP_ORDER} LIMIT :top)"
+        f"ORDER BY {GROUP_ORDER}{_limit(top)})"
     )
     taking = (
-        f"{take} WHERE queuing_order IN (SELECT queuing_order FROM picked) "
-        f"RETURNING {', '.join(MESSAGE_COLUMNS)}"
+        f"{take} WHERE queuing_order {_picked_ones(dialect)} RETURNING {', '.join(MESSAGE_COLUMNS)}"
     )
     if mark:
         sql = (
@@ -193,14 +213,30 @@ def claim_statement(
             "reset AS (UPDATE broker_queue SET rollback_count = 0 "
             "WHERE queue_id = :queue_id AND rollback_count > 0 "
             "AND EXISTS (SELECT 1 FROM taken)) "
-            "SELECT * FROM taken"
+            f"SELECT * FROM taken {_TAKEN_ORDER}"
         )
+    elif claim_is_ordered(dialect):
+        sql = f"{picked}, taken AS ({taking}) SELECT * FROM taken {_TAKEN_ORDER}"
     else:
         sql = f"{picked} {taking}"
     clause = _typed(sql, by_handle=by_handle, by_group=by_group)
     if lease:
         clause = clause.bindparams(bindparam("token", type_=Uuid()))
     return clause.columns(*(_col(name) for name in MESSAGE_COLUMNS))  # type: ignore[return-value]
+
+
+def _picked_ones(dialect: str) -> str:
+    if dialect == "postgresql":
+        return "= ANY(ARRAY(SELECT queuing_order FROM picked))"
+    return "IN (SELECT queuing_order FROM picked)"
+
+
+def _limit(top: int | None) -> str:
+    if top is None:
+        return ""
+    if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+        raise ValueError(f"top must be a whole number >= 1, not {top!r}")
+    return f" LIMIT {int(top)}"
 
 
 def _col(name: str) -> Any:
@@ -215,11 +251,6 @@ def lock_group_statement(
     picker = _group_picker(dialect, by_handle=by_handle, by_group=by_group)
     clause = _typed(picker, by_handle=by_handle, by_group=by_group)
     return clause.columns(_col("conversation_group_id"))  # type: ignore[return-value]
-
-
-def no_limit(dialect: str) -> int | None:
-    """The ``:top`` value that means "all messages of the group"."""
-    return None if dialect == "postgresql" else -1
 
 
 @cache
