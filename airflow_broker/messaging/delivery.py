@@ -14,7 +14,6 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import (
-    delete,
     insert,
     select,
     update,
@@ -33,7 +32,7 @@ from airflow_broker.messaging.lookups import hosted_services, priority_for
 from airflow_broker.messaging.objects import (
     error_body,
 )
-from airflow_broker.messaging.rows import insert_message, to_endpoint
+from airflow_broker.messaging.rows import drop_waiting, insert_message, to_endpoint
 from airflow_broker.routing import dynamic
 from airflow_broker.routing.routes import routes_of
 from airflow_broker.security import dialogs
@@ -442,11 +441,7 @@ class Delivery:
         if values.get("state") == "ER":
             # A failed side can send nothing more: what waited to leave it goes, as when the
             # Error arrives from another broker (transport.inbound).
-            self.conn.execute(
-                delete(s.transmission_queue).where(
-                    s.transmission_queue.c.conversation_handle == far_handle
-                )
-            )
+            self.conn.execute(drop_waiting(far_handle))
         return row
 
     def _to_transmission(
@@ -543,11 +538,7 @@ class Delivery:
             .where(s.conversation_endpoint.c.conversation_handle == sender.conversation_handle)
             .values(state="ER", timer_due_at=None)
         )
-        self.conn.execute(
-            delete(s.transmission_queue).where(
-                s.transmission_queue.c.conversation_handle == sender.conversation_handle
-            )
-        )
+        self.conn.execute(drop_waiting(sender.conversation_handle))
         log.warning("conversation %s failed: %s", sender.conversation_handle, description)
 
 

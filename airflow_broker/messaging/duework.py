@@ -32,7 +32,7 @@ from airflow_broker.messaging.leases import expire_leases
 from airflow_broker.messaging.objects import (
     error_body,
 )
-from airflow_broker.messaging.rows import to_endpoint
+from airflow_broker.messaging.rows import drop_waiting, to_endpoint
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 
@@ -154,11 +154,7 @@ class DueWork:
             )
         ).all()
         for r in rows:
-            self.conn.execute(
-                delete(s.transmission_queue).where(
-                    s.transmission_queue.c.conversation_handle == r.conversation_handle
-                )
-            )
+            self.conn.execute(drop_waiting(r.conversation_handle))
             self.conn.execute(
                 to_endpoint(
                     r,

@@ -29,6 +29,7 @@ from airflow_broker.messaging.delivery import Delivery
 from airflow_broker.messaging.objects import (
     error_body,
 )
+from airflow_broker.messaging.rows import drop_waiting
 from airflow_broker.messaging.tx_core import TransactionCore
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
@@ -137,9 +138,7 @@ class Ending(TransactionCore):
         self._discard_messages(h, row.queue_id)
         closed = {"state": "CD", "closed_at": now, "timer_due_at": None}
         if error_code is not None:
-            self._execute(
-                delete(s.transmission_queue).where(s.transmission_queue.c.conversation_handle == h)
-            )
+            self._execute(drop_waiting(h))
             row = self._endpoint_row(h)
             self._execute(update(e).where(e.c.conversation_handle == h).values(**closed))
             if row.state not in ("DI", "ER") and self._far_exists(row):

@@ -1,4 +1,5 @@
-"""The rows a message becomes: its INSERT into a queue, and its precedence within a dialog.
+"""The rows a message becomes: its INSERT into a queue, and its precedence within a dialog; and
+the DELETE of what waits to leave a failed or ended side.
 
 A receiver sees a dialog's DialogTimer first, then an Error, then the rest in order: the
 ``precedence`` column orders them ahead of the sequence number.
@@ -11,6 +12,8 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    Delete,
+    delete,
     insert,
 )
 
@@ -23,6 +26,13 @@ from airflow_broker.constants import (
     STATUS_READY,
 )
 from airflow_broker.storage import schema as s
+
+
+def drop_waiting(handle: uuid.UUID) -> Delete:
+    """Delete what waits in the transmission queue to leave endpoint ``handle`` (its side failed
+    or ended: nothing more goes out from it)."""
+    t = s.transmission_queue
+    return delete(t).where(t.c.conversation_handle == handle)
 
 
 def precedence(message_type: str) -> int:

@@ -7,12 +7,12 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, update
+from sqlalchemy import update
 from sqlalchemy.engine import Connection
 
 from airflow_broker.constants import END_DIALOG, ERROR, SENDABLE_STATES
 from airflow_broker.messaging.objects import error_body
-from airflow_broker.messaging.rows import insert_message
+from airflow_broker.messaging.rows import drop_waiting, insert_message
 from airflow_broker.security import dialogs
 from airflow_broker.security.crypto import SecurityFailure
 from airflow_broker.storage import schema as s
@@ -92,8 +92,6 @@ def fail_endpoint(
     conn.execute(
         update(e).where(e.c.conversation_handle == handle).values(state="ER", timer_due_at=None)
     )
-    conn.execute(
-        delete(s.transmission_queue).where(s.transmission_queue.c.conversation_handle == handle)
-    )
+    conn.execute(drop_waiting(handle))
     ep["state"] = "ER"
     log.warning("conversation %s failed: %s", handle, description)
