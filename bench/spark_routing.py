@@ -44,6 +44,8 @@ from bench._scratch import Database, ScratchServer, database, quiesce
 
 SOURCE, TARGET = "//bench/Source", "//bench/Target"
 PER_DIALOG = 100
+#: issue 16: the job near the JDBC floor at the largest size
+COPY_GOAL = 0.8
 
 COPY_TABLE = """
 CREATE TABLE bench_copy (
@@ -252,7 +254,7 @@ def main() -> None:
     j_big = results[("spark job", big)]
     print(
         f"target spark_job_vs_plain_copy_{big}: "
-        f"{j_big / results[('plain copy', big)]:.2f} (goal >= 0.5)"
+        f"{j_big / results[('plain copy', big)]:.2f} (goal >= {COPY_GOAL})"
     )
     print(
         f"compare spark_job_vs_scratch_copy_{big}: "

@@ -221,6 +221,32 @@ def test_the_transmission_queue_is_read_in_parallel_partitions(
     assert len(ids) == len(set(ids)) == 200
 
 
+@pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
+def test_postgresql_groups_the_conversations_as_the_spark_transform_does(
+    spark: SparkSession, network: Network
+) -> None:
+    """The job plans on conversations grouped by the source's own query
+    (``jdbc.conversations_query``); they must be the rows ``transforms.conversations``
+    makes of the messages: same keys, first id and sequence, last sequence, count, types."""
+    net = network("a", "b")
+    two_way(net)
+    a = net["a"]
+    handles = send_dialogs(a, [1 + i % 9 for i in range(60)])
+    send_more(a, handles[:10], 100, 2)
+    # A lifetime: one of the keys (NULL on the other dialogs).
+    send_dialogs(a, [2], lifetime_seconds=3600)
+    pending = jdbc.read_pending(
+        spark, a.engine.url, due_by=None, bounds=job._bounds(a, None), partitions=3
+    )
+    by_spark = transforms.conversations(pending, with_body=False)
+    by_sql = jdbc.read_conversations(spark, a.engine.url, due_by=None)
+    assert by_sql.schema.simpleString() == by_spark.schema.simpleString()
+    expected = sorted(tuple(r) for r in by_spark.collect())
+    got = sorted(tuple(r) for r in by_sql.collect())
+    assert len(got) == 61 and got == expected
+    assert sum(r.messages for r in by_sql.collect()) == sum(1 + i % 9 for i in range(60)) + 22
+
+
 @pytest.mark.parametrize("new_db", ["sqlite", "postgres"], indirect=True)
 def test_end_dialog_takes_the_general_path_and_ends_the_far_side(
     spark: SparkSession, network: Network

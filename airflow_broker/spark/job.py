@@ -3,14 +3,16 @@
 Run by ``spark-submit`` (this file is the application; :class:`SparkRoutingOperator` launches
 it), or in-process with :func:`run`. One run:
 
-1. reads the source broker's due transmission-queue rows in parallel (JDBC, split on the row
-   id), with what routing needs of each conversation's endpoint, into one row per
-   conversation (:func:`transforms.conversations`);
+1. reads one row per conversation of the source broker's due transmission-queue rows, with
+   what routing needs of its endpoint (grouped by PostgreSQL in the query,
+   :func:`jdbc.conversations_query`; by Spark, :func:`transforms.conversations`, for a
+   classifier or a SQLite source);
 2. plans every conversation with the pure transforms of :mod:`airflow_broker.spark.transforms`
    (classification, forwarding rules, routing and load balancing, by the rules of
    :mod:`airflow_broker.routing`);
 3. for each far broker: deletes what earlier dead runs left in its staging tables, writes
-   its conversations' plan there, reads their messages again and writes them there in
+   its conversations' plan there, reads their messages (in parallel JDBC queries split on
+   the row id) and writes them there in
    conversation order (COPY from the executors on PostgreSQL, JDBC on SQLite), commits them
    into queues exactly once (:func:`commit.commit`, in parallel transactions on PostgreSQL)
    and acknowledges them at the source (:func:`commit.acknowledge`);
@@ -270,15 +272,19 @@ def run(
     laps = _Laps(report.phases)
     due_by = None if retry_now else now
     parts = partitions or max(2, spark.sparkContext.defaultParallelism)
-    # Read twice, never cached whole: once (without the bodies, unless a classifier reads
-    # them) into one row per conversation, which the plan is made on; then, streaming, once
-    # per far broker for the messages of its conversations.
+    # Messages are read once, streaming, per far broker. The plan is made on one row per
+    # conversation: grouped by PostgreSQL itself, so that only the groups travel, unless a
+    # classifier reads the first bodies (or the source is SQLite): then Spark groups a read
+    # without the other bodies.
     pending = jdbc.read_pending(
         spark, source.engine.url, due_by=due_by, bounds=_bounds(source, due_by), partitions=parts
     )
+    if source.dialect == "postgresql" and classifier is None:
+        conv = jdbc.read_conversations(spark, source.engine.url, due_by=due_by)
+    else:
+        conv = transforms.conversations(pending, with_body=classifier is not None)
     # One partition per read: a cached plan keeps its shuffles' partitioning (200 by default,
     # mostly empty, each a task for every action on it).
-    conv = transforms.conversations(pending, with_body=classifier is not None)
     conv = conv.coalesce(parts).persist()
     planned = transforms.conversation_plan(
         conv,
