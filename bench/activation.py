@@ -24,7 +24,9 @@ file). Both latencies are mostly the scheduler's: its loop sleeps up to
 when it found nothing to do, and an asset event becomes a run, the run's task is queued and the
 task starts on successive loops. The settings used are printed with the results.
 
-Prints p50 and p95 of both, then ``target activation_p50: SECONDS (goal <= 2.0)``.
+Prints p50 and p95 of both, then ``target activation_p50: SECONDS (goal <= 2.0)`` and
+``target activation_vs_scheduler_p50: RATIO (goal <= 0.5)`` (activation p50 over the
+scheduler's).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from tests.support.airflow_stack import AirflowStack, airflow_stack
 DAGS = Path(__file__).parent / "dags"
 QUEUE = "latency_q"
 GOAL_P50 = 2.0
+#: issue 16: cold activation at most half the scheduler's own start latency
+GOAL_VS_SCHEDULER = 0.5
 
 
 def _setup_broker(url: str) -> Broker:
@@ -157,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             measure(af, broker, args.activations, args.plain)
         activation = _latencies(broker, "activation")[1:]  # without the warm-up
+        execute = _latencies(broker, "activation_execute")[1:]
         scheduler = _latencies(broker, "scheduler")
         broker.dispose()
     finally:
@@ -175,9 +180,21 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<34} {len(values):>4} {_pct(values, 0.5):>7.2f} {_pct(values, 0.95):>7.2f} "
             f"{statistics.mean(values):>7.2f}"
         )
+    if execute:
+        # The operator's own part: from execute() to the first RECEIVE of the same message.
+        own = [a - x for a, x in zip(activation, execute, strict=False)]
+        print(
+            f"{'  of which SEND -> execute()':<34} {len(execute):>4} {_pct(execute, 0.5):>7.2f} "
+            f"{_pct(execute, 0.95):>7.2f} {statistics.mean(execute):>7.2f}"
+        )
+        print(
+            f"{'  of which execute() -> RECEIVE':<34} {len(own):>4} {_pct(own, 0.5):>7.2f} "
+            f"{_pct(own, 0.95):>7.2f} {statistics.mean(own):>7.2f}"
+        )
     print()
     print(f"target activation_p50: {_pct(activation, 0.5):.2f} (goal <= {GOAL_P50})")
-    print(f"info activation_vs_scheduler_p50: {_pct(activation, 0.5) / _pct(scheduler, 0.5):.2f}")
+    ratio = _pct(activation, 0.5) / _pct(scheduler, 0.5)
+    print(f"target activation_vs_scheduler_p50: {ratio:.2f} (goal <= {GOAL_VS_SCHEDULER})")
     return 0
 
 

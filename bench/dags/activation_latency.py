@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pendulum
 from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOperator
@@ -44,6 +45,20 @@ def _record(kind: str, started: float, seen: float) -> None:
         )
 
 
+#: When the reader task's execute() began (time.time()): the operator's own part of an
+#: activation (connecting, taking a reader slot, the first RECEIVE) is what follows it.
+_execute_started: float | None = None
+
+
+class StampedDrainQueueOperator(DrainQueueOperator):
+    """DrainQueueOperator that notes when execute() began, for the latency's breakdown."""
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        global _execute_started
+        _execute_started = time.time()
+        return super().execute(context)
+
+
 def record_latency(tx: Transaction, messages: list[Message]) -> None:
     """The reader's handler, inside the RECEIVE's transaction: the time of the first RECEIVE of
     each SEND, written in the same commit. The sender ends its side at once, so the EndDialog
@@ -53,16 +68,19 @@ def record_latency(tx: Transaction, messages: list[Message]) -> None:
         if m.message_type_name == END_DIALOG:
             tx.end_conversation(m.conversation_handle)
         elif m.message_type_name != ERROR:
-            tx.connection.execute(
-                text("INSERT INTO bench_latency (kind, started, seen) VALUES (:k, :s, :t)"),
-                {"k": "activation", "s": float(m.json()["sent_at"]), "t": seen},
-            )
+            sent_at = float(m.json()["sent_at"])
+            insert = text("INSERT INTO bench_latency (kind, started, seen) VALUES (:k, :s, :t)")
+            tx.connection.execute(insert, {"k": "activation", "s": sent_at, "t": seen})
+            if _execute_started is not None:
+                tx.connection.execute(
+                    insert, {"k": "activation_execute", "s": sent_at, "t": _execute_started}
+                )
 
 
 @dag(schedule=[queue_asset], start_date=START, catchup=False, max_active_runs=4)
 def latency_reader() -> None:
     # Registers as a reader of the queue (the monitor counts it), drains, exits.
-    DrainQueueOperator(task_id="drain", queue=QUEUE, handler=record_latency)
+    StampedDrainQueueOperator(task_id="drain", queue=QUEUE, handler=record_latency)
 
 
 @dag(schedule=None, start_date=START, catchup=False)
