@@ -8,8 +8,10 @@ A diagnostic next to ``bench.throughput`` (it has no targets)::
 It runs the throughput workloads' producer and consumer in this one process, on a scratch
 database, with psycopg wrapped to count and time every statement. Per phase it prints
 statements and round trips per message (counted at the driver, so the pool's pre-ping and raw
-side connections are included; BEGIN and COMMIT are round trips of their own), the time spent
-waiting on the database versus the whole phase, and the statements that cost the most.
+side connections are included; BEGIN and COMMIT are round trips of their own, except a BEGIN
+that the engine sends in one query with the first statement, ``storage.direct``), the time
+spent waiting on the database versus the whole phase, and the statements that cost the most
+(the side connection's writes are sent without waiting, and listed with their send time).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class StatementLog:
     seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     #: BEGIN / COMMIT / ROLLBACK that psycopg sends on its own (each one round trip)
     commands: Counter[str] = field(default_factory=Counter)
+    #: statements sent without waiting for their answer (no round trip of their own)
+    sent: Counter[str] = field(default_factory=Counter)
     commit_seconds: float = 0.0
     active: bool = False
 
@@ -44,6 +48,7 @@ class StatementLog:
         self.count.clear()
         self.seconds.clear()
         self.commands.clear()
+        self.sent.clear()
         self.commit_seconds = 0.0
 
     @property
@@ -53,8 +58,9 @@ class StatementLog:
 
     @property
     def round_trips(self) -> int:
-        """Statements plus transaction-control commands."""
-        return self.statements + sum(self.commands.values())
+        """Statements plus transaction-control commands that waited for their answer."""
+        waited = sum(n for cmd, n in self.commands.items() if "same round trip" not in cmd)
+        return self.statements + waited
 
     @property
     def db_seconds(self) -> float:
@@ -122,6 +128,41 @@ def _install_listeners() -> None:
 
     BaseConnection._exec_command = counted  # type: ignore[method-assign]
 
+    # The hot statements the engine sends through libpq itself (storage.direct): one round trip
+    # each, BEGIN included; and the side connection's writes, sent without waiting.
+    from airflow_broker.storage import direct
+    from airflow_broker.storage.side_writer import SideWriter
+
+    def observed(query: bytes, seconds: float) -> None:
+        if not LOG.active:
+            return
+        statements = query.split(b";")
+        if b"BEGIN" in statements:
+            LOG.commands["BEGIN (in the same round trip)"] += 1
+        last = statements[-1]
+        # EXECUTE name(literals...): counted by the statement, not by its values.
+        name = last.split(b"(", 1)[0] if last.startswith(b"EXECUTE") else last
+        key = _key(name) + " [direct: one round trip]"
+        LOG.count[key] += 1
+        LOG.seconds[key] += seconds
+
+    direct.observer = observed
+    side_send = SideWriter.send
+
+    def side_counted(self: Any, sql: str, params: Any) -> None:
+        if not LOG.active:
+            side_send(self, sql, params)
+            return
+        t0 = time.perf_counter()
+        try:
+            side_send(self, sql, params)
+        finally:
+            key = _key(sql) + " [side, not waited for]"
+            LOG.sent[key] += 1
+            LOG.seconds[key] += time.perf_counter() - t0
+
+    SideWriter.send = side_counted  # type: ignore[method-assign]
+
 
 @contextmanager
 def phase(name: str, messages: int, top: int) -> Iterator[None]:
@@ -147,7 +188,8 @@ def phase(name: str, messages: int, top: int) -> Iterator[None]:
         f"commit {LOG.commit_seconds / messages * 1e3:.3f} ms; Python "
         f"{(wall - LOG.db_seconds) / messages * 1e3:.3f} ms)"
     )
-    for key, n in sorted(LOG.count.items(), key=lambda kv: -LOG.seconds[kv[0]])[:top]:
+    shown = {**LOG.count, **LOG.sent}
+    for key, n in sorted(shown.items(), key=lambda kv: -LOG.seconds[kv[0]])[:top]:
         print(f"   {n / messages:7.2f}/msg {LOG.seconds[key] / messages * 1e3:7.3f} ms/msg  {key}")
 
 

@@ -16,7 +16,9 @@ one clock for the whole machine on Linux (and macOS), and unlike the wall clock 
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -413,3 +415,15 @@ def _record_hold(
             "messages": len(messages),
         },
     )
+
+
+def receive_then_die(url: str, queue: str) -> None:
+    """RECEIVE from ``queue`` and SIGKILL this process the moment RECEIVE returns: no report, no
+    pause, no cleanup. The receive lease was sent to the server without waiting for its answer
+    (storage.side_writer); the parent checks that the failed attempt is counted all the same."""
+    broker = Broker.connect(url)
+    with broker.transaction() as tx:
+        messages = tx.receive(queue)
+        if messages:
+            os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(3)  # nothing to receive: the parent reports it

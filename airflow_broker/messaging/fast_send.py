@@ -29,6 +29,7 @@ from airflow_broker.constants import (
     STATUS_READY,
 )
 from airflow_broker.messaging.rows import precedence
+from airflow_broker.storage import direct
 from airflow_broker.storage import schema as s
 
 
@@ -240,4 +241,15 @@ SEND_MANY_PG = text(
     "SELECT * FROM broker_send_many(CAST(:handles AS uuid[]), CAST(:message_type AS varchar), "
     "CAST(:precedence AS smallint), CAST(:validation AS varchar), CAST(:body AS bytea), "
     "CAST(:now AS timestamptz), CAST(:row_lock AS boolean))"
+)
+
+#: :data:`SEND_ONE_PG` and :data:`SEND_MANY_PG` prepared for :mod:`airflow_broker.storage.direct`
+#: (one round trip, BEGIN included): arguments handle(s), message type, precedence, validation,
+#: body, now, row_lock.
+_SEND_TYPES = ("varchar", "smallint", "varchar", "bytea", "timestamptz", "boolean")
+SEND_ONE_DIRECT = direct.Prepared(
+    "SELECT broker_send_one($1, $2, $3, $4, $5, $6, $7)", ("uuid", *_SEND_TYPES)
+)
+SEND_MANY_DIRECT = direct.Prepared(
+    "SELECT * FROM broker_send_many($1, $2, $3, $4, $5, $6, $7)", ("uuid[]", *_SEND_TYPES)
 )

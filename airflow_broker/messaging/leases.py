@@ -88,7 +88,7 @@ def take_lease(
     q, rows = tx._claim(queue, top, None, conversation_group_id, wait_seconds, lease_token=token)
     if not rows:
         return None
-    group = rows[0].conversation_group_id
+    group = rows[0][1]  # conversation_group_id (MESSAGE_COLUMNS)
     now = utcnow()
     expires = now + timedelta(seconds=seconds)
     conn = tx.connection

@@ -29,7 +29,7 @@ from airflow_broker.messaging.objects import (
     messages_from_rows,
 )
 from airflow_broker.messaging.tx_core import DUE_POLL_SECONDS, MAX_WAIT_SLICE, TransactionCore
-from airflow_broker.storage import queries
+from airflow_broker.storage import direct, queries
 from airflow_broker.storage.clock import utcnow
 
 log = logging.getLogger("airflow_broker")
@@ -60,7 +60,7 @@ class Receiving(TransactionCore):
             return []
         if metrics.enabled():
             self._received[q.name] = self._received.get(q.name, 0) + len(rows)
-        held = [r.queuing_order for r in rows]
+        held = [r[0] for r in rows]  # queuing_order (MESSAGE_COLUMNS)
         lease = self._leases.get(q.queue_id)
         adapter = self.broker.adapter
         if lease is None:
@@ -111,29 +111,42 @@ class Receiving(TransactionCore):
         if lease_token is not None:
             params["token"] = lease_token
         by_handle, by_group = conversation_handle is not None, conversation_group is not None
-        stmt = queries.claim_statement(
-            self.broker.dialect,
-            top=top,
-            by_handle=by_handle,
-            by_group=by_group,
-            retention=q.retention,
-            mark=mark,
-            lease=lease_token is not None,
-        )
+        shape = {
+            "top": top,
+            "by_handle": by_handle,
+            "by_group": by_group,
+            "retention": q.retention,
+            "mark": mark,
+            "lease": lease_token is not None,
+        }
+        pg = self.broker.dialect == "postgresql"
+        if pg:
+            # One round trip, BEGIN included, on PostgreSQL (storage.direct).
+            prepared, names = queries.claim_prepared(**shape)
+
+            def take() -> list[Any]:
+                self._check_open()
+                return direct.execute(self.connection, prepared, [params[n] for n in names])
+        else:
+            stmt = queries.claim_statement(self.broker.dialect, **shape)
+
+            def take() -> list[Any]:
+                rows: list[Any] = self._execute(stmt, params).all()
+                return rows
 
         def claim() -> list[Any]:
             params["now"] = utcnow()
-            rows: list[Any] = self._execute(stmt, params).all()
+            rows = take()
             if rows:
                 return rows
             self._raise_if_disabled(q)
-            if self.broker.dialect != "postgresql":
+            if not pg:
                 return rows
             ready = queries.ready_exists_statement(by_handle=by_handle, by_group=by_group)
             for _ in range(queries.CLAIM_ATTEMPTS - 1):
                 if self._execute(ready, params).first() is None:
                     break
-                rows = self._execute(stmt, params).all()
+                rows = take()
                 if rows:
                     break
             return rows

@@ -42,7 +42,9 @@ from airflow_broker.messaging.delivery import Delivery
 from airflow_broker.messaging.ending import Ending
 from airflow_broker.messaging.failure import record_failed_attempts
 from airflow_broker.messaging.fast_send import (
+    SEND_MANY_DIRECT,
     SEND_MANY_PG,
+    SEND_ONE_DIRECT,
     SEND_ONE_PG,
     endpoint_statement,
     far_endpoints_unchanged,
@@ -60,7 +62,7 @@ from airflow_broker.messaging.validation import (
     encode_body,
     validate_body,
 )
-from airflow_broker.storage import bulk
+from airflow_broker.storage import bulk, direct
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.adapters import FailedHold
 from airflow_broker.storage.clock import aware, utcnow
@@ -407,18 +409,30 @@ class Transaction(Receiving, Ending):
         row_lock = len(in_memory) > ADVISORY_BUDGET
         if not row_lock:
             self._advisory_locked = in_memory
-        params = {
-            "now": now,
-            "message_type": message_type,
-            "precedence": precedence(message_type),
-            "validation": VALIDATION_CODES[validation],
-            "body": payload,
-            "row_lock": row_lock,
-        }
-        if len(handles) == 1:
-            seq = self._execute(SEND_ONE_PG, {**params, "handle": handles[0]}).scalar()
-            return handles if seq is None else []
-        sent = set(self._execute(SEND_MANY_PG, {**params, "handles": handles}).scalars())
+        code = VALIDATION_CODES[validation]
+        single = len(handles) == 1
+        if payload is None or len(payload) <= direct.MAX_LITERAL_BODY:
+            # One round trip, BEGIN included (storage.direct).
+            self._check_open()
+            args = [message_type, precedence(message_type), code, payload, now, row_lock]
+            if single:
+                rows = direct.execute(self.connection, SEND_ONE_DIRECT, [handles[0], *args])
+                return handles if rows[0][0] is None else []
+            rows = direct.execute(self.connection, SEND_MANY_DIRECT, [handles, *args])
+            sent = {r[0] for r in rows}
+        else:
+            params = {
+                "now": now,
+                "message_type": message_type,
+                "precedence": precedence(message_type),
+                "validation": code,
+                "body": payload,
+                "row_lock": row_lock,
+            }
+            if single:
+                seq = self._execute(SEND_ONE_PG, {**params, "handle": handles[0]}).scalar()
+                return handles if seq is None else []
+            sent = set(self._execute(SEND_MANY_PG, {**params, "handles": handles}).scalars())
         if sent:
             self._dirty = True
         return [h for h in handles if h not in sent]

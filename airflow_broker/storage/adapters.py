@@ -10,8 +10,9 @@ PostgreSQL
     Waits LISTEN on a per-queue channel; a trigger on ``broker_message`` NOTIFYs it whenever ready
     messages are written (migration 0002), so a waiter wakes within milliseconds of the commit.
     A receiving transaction registers a lease (queue, server backend pid) through a side
-    connection, so the row is visible at once; the RECEIVE statement itself writes the lease's
-    commit marker, visible only if the transaction commits. A lease whose backend no longer
+    connection (``storage.side_writer``: sent, not waited for), so the row is visible at once;
+    the RECEIVE statement itself writes the lease's commit marker, visible only if the
+    transaction commits. A lease whose backend no longer
     exists and that has no marker belongs to a reader that died without committing.
 
 SQLite
@@ -33,7 +34,6 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -44,6 +44,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.roles import RoleSession
+from airflow_broker.storage.side_writer import SideWriter
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,8 @@ class PostgresAdapter:
         self._engine = engine
         self._lock = threading.Lock()
         self._idle_listeners: list[Any] = []
-        self._side: Any = None
+        #: receive-lease rows are written here, outside the readers' transactions
+        self._side = SideWriter(self._raw_connect)
         #: owner or client role (storage.roles): a client role's connections see the views
         self.roles = RoleSession()
         event.listen(engine, "connect", self._on_connect)
@@ -157,25 +159,6 @@ class PostgresAdapter:
         conn = psycopg.connect(autocommit=True, **params)
         self.roles.on_raw_connect(conn)
         return conn
-
-    @contextlib.contextmanager
-    def _side_connection(self) -> Iterator[Any]:
-        """An autocommit connection with synchronous_commit off, shared under a lock.
-
-        Receive-lease rows are written here: they must be visible at once, outside the reader's own
-        transaction, and are cheap to lose in a server crash (their table is UNLOGGED).
-        """
-        with self._lock:
-            if self._side is None or self._side.closed:
-                self._side = self._raw_connect()
-                self._side.execute("SET synchronous_commit = off")
-            try:
-                yield self._side
-            except Exception:
-                with contextlib.suppress(Exception):
-                    self._side.close()
-                self._side = None
-                raise
 
     # -- waiting: LISTEN; a trigger on broker_message notifies (migration 0002) ----------
     def start_wait(self, conn: Connection, queue_id: int, *, can_release: bool) -> WaitState:
@@ -226,41 +209,10 @@ class PostgresAdapter:
         return backend
 
     def new_lease_key(self) -> int | None:
-        """A key for the lease of the next receive; RECEIVE's statement marks it on commit."""
-        return random.randint(1, 2**31 - 1)
-
-    def _side_execute(self, sql: str, params: tuple[Any, ...]) -> Any:
-        import psycopg
-
-        for attempt in (1, 2):
-            try:
-                with self._side_connection() as side:
-                    return side.execute(sql, params)
-            except psycopg.OperationalError:
-                # The server ended the shared side connection (a restart, an administrator's
-                # pg_terminate_backend): it was discarded; once more on a fresh one.
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _insert_lease(
-        self, key: int, queue_id: int, pid: int, backend_start: Any, held: list[int]
-    ) -> bool:
-        cur = self._side_execute(
-            "INSERT INTO broker_receive_lease (lease_key, queue_id, pid, "
-            "backend_start, started_at, held) VALUES (%s, %s, %s, %s, %s, %s) "
-            "ON CONFLICT DO NOTHING",
-            (key, queue_id, pid, backend_start, utcnow(), json.dumps(held)),
-        )
-        return bool(cur.rowcount == 1)
-
-    def hold_more(self, lease: ReceiveLease, held: list[int]) -> None:
-        """A later RECEIVE of the same transaction took more messages of the lease's queue."""
-        lease.held.extend(held)
-        self._side_execute(
-            "UPDATE broker_receive_lease SET held = %s WHERE lease_key = %s",
-            (json.dumps(lease.held), lease.key),
-        )
+        """A key for the lease of the next receive; RECEIVE's statement marks it on commit.
+        63 random bits: a clash with a live lease cannot be noticed in time (the lease row is
+        written without waiting), so it must not happen (migration 0015)."""
+        return random.getrandbits(63) or 1
 
     def open_lease(
         self, conn: Connection, queue_id: int, key: int | None, held: list[int]
@@ -269,20 +221,23 @@ class PostgresAdapter:
 
         Called right after the RECEIVE statement that took messages and inserted the commit
         marker for ``key`` (that same statement, so the marker exists if and only if the
-        transaction commits)."""
+        transaction commits). The row is sent on the side connection and not waited for."""
         assert key is not None
         pid, backend_start = self._backend(conn)
-        while not self._insert_lease(key, queue_id, pid, backend_start, held):
-            # A 1-in-2^31 clash with a live lease: take another key and mark that one too.
-            key = random.randint(1, 2**31 - 1)
-            conn.execute(
-                text(
-                    "INSERT INTO broker_receive_commit (lease_key) VALUES (:k) "
-                    "ON CONFLICT DO NOTHING"
-                ),
-                {"k": key},
-            )
+        self._side.send(
+            "INSERT INTO broker_receive_lease (lease_key, queue_id, pid, backend_start, "
+            "started_at, held) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+            (key, queue_id, pid, backend_start, utcnow(), json.dumps(held)),
+        )
         return ReceiveLease(queue_id=queue_id, key=key, held=list(held))
+
+    def hold_more(self, lease: ReceiveLease, held: list[int]) -> None:
+        """A later RECEIVE of the same transaction took more messages of the lease's queue."""
+        lease.held.extend(held)
+        self._side.send(
+            "UPDATE broker_receive_lease SET held = $1 WHERE lease_key = $2",
+            (json.dumps(lease.held), lease.key),
+        )
 
     def leases_committing(self, conn: Connection, leases: list[ReceiveLease]) -> None:
         """Nothing left to do: RECEIVE's statement wrote the markers and reset the run."""
@@ -295,6 +250,7 @@ class PostgresAdapter:
 
         A reaper may have counted a row first; only rows this call deletes are counted here.
         """
+        self._side.sync()  # the lease rows are written (they were sent without waiting)
         rows = conn.execute(
             text(
                 "DELETE FROM broker_receive_lease WHERE lease_key = ANY(:keys) "
@@ -345,13 +301,12 @@ class PostgresAdapter:
         return [(f"lease {r.lease_key} of backend {r.pid}", r.queue_id) for r in rows]
 
     def dispose(self) -> None:
+        self._side.close()
         with self._lock:
-            for conn in [*self._idle_listeners, self._side]:
-                if conn is not None:
-                    with contextlib.suppress(Exception):
-                        conn.close()
+            for conn in self._idle_listeners:
+                with contextlib.suppress(Exception):
+                    conn.close()
             self._idle_listeners.clear()
-            self._side = None
 
 
 class SqliteAdapter:

@@ -77,6 +77,11 @@ class BrokerContext:
         else:
             engine_kwargs.setdefault("pool_size", 5)
             engine_kwargs.setdefault("max_overflow", 10)
+            # psycopg prepares nothing on its own: after a ROLLBACK it would DEALLOCATE ALL,
+            # the hot statements' too (storage.direct prepares and tracks those itself).
+            connect_args = dict(engine_kwargs.get("connect_args") or {})
+            connect_args.setdefault("prepare_threshold", None)
+            engine_kwargs["connect_args"] = connect_args
         return cls(create_engine(parsed, **engine_kwargs), resolver=resolver)
 
     def __repr__(self) -> str:

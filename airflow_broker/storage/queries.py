@@ -14,6 +14,7 @@ Values are always bound; the only text substituted is fixed in this module.
 
 from __future__ import annotations
 
+import re
 from functools import cache, lru_cache
 from typing import Any
 
@@ -31,6 +32,8 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.sql.elements import TextClause
+
+from airflow_broker.storage import direct
 
 MESSAGE_COLUMNS = (
     "queuing_order",
@@ -189,6 +192,60 @@ def claim_statement(
     Messages marked by a lease are never picked (a MOVE CONVERSATION may have carried them out
     of their leased group).
     """
+    sql = _claim_sql(dialect, top, by_handle, by_group, retention, mark, lease)
+    clause = _typed(sql, by_handle=by_handle, by_group=by_group)
+    if lease:
+        clause = clause.bindparams(bindparam("token", type_=Uuid()))
+    return clause.columns(*(_col(name) for name in MESSAGE_COLUMNS))  # type: ignore[return-value]
+
+
+#: The SQL type of each bound name of the claim, for its prepared form.
+_CLAIM_PARAM_TYPES = {
+    "queue_id": "integer",
+    "now": "timestamptz",
+    "lease_key": "bigint",
+    "token": "uuid",
+    "handle": "uuid",
+    "group_id": "uuid",
+}
+_BOUND_NAME = re.compile(r"(?<![:\w]):(\w+)")
+
+
+@lru_cache(maxsize=256)
+def claim_prepared(
+    *,
+    top: int | None = None,
+    by_handle: bool = False,
+    by_group: bool = False,
+    retention: bool = False,
+    mark: bool = False,
+    lease: bool = False,
+) -> tuple[direct.Prepared, tuple[str, ...]]:
+    """PostgreSQL: :func:`claim_statement` prepared for :mod:`~airflow_broker.storage.direct`,
+    and the names of its parameters in their order (bind them by name as for the other)."""
+    sql = _claim_sql("postgresql", top, by_handle, by_group, retention, mark, lease)
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in names:
+            names.append(name)
+        return f"${names.index(name) + 1}"
+
+    numbered = _BOUND_NAME.sub(number, sql)
+    prepared = direct.Prepared(numbered, [_CLAIM_PARAM_TYPES[n] for n in names])
+    return prepared, tuple(names)
+
+
+def _claim_sql(
+    dialect: str,
+    top: int | None,
+    by_handle: bool,
+    by_group: bool,
+    retention: bool,
+    mark: bool,
+    lease: bool,
+) -> str:
     picker = _group_picker(dialect, by_handle=by_handle, by_group=by_group)
     handle_filter = "AND m.conversation_handle = :handle" if by_handle else ""
     take = "UPDATE broker_message SET status = 0" if retention else "DELETE FROM broker_message"
@@ -208,7 +265,7 @@ def claim_statement(
         sql = (
             f"{picked}, taken AS ({taking}), "
             "marked AS (INSERT INTO broker_receive_commit (lease_key) "
-            "SELECT CAST(:lease_key AS integer) WHERE EXISTS (SELECT 1 FROM taken) "
+            "SELECT CAST(:lease_key AS bigint) WHERE EXISTS (SELECT 1 FROM taken) "
             "ON CONFLICT DO NOTHING), "
             "reset AS (UPDATE broker_queue SET rollback_count = 0 "
             "WHERE queue_id = :queue_id AND rollback_count > 0 "
@@ -219,10 +276,7 @@ def claim_statement(
         sql = f"{picked}, taken AS ({taking}) SELECT * FROM taken {_TAKEN_ORDER}"
     else:
         sql = f"{picked} {taking}"
-    clause = _typed(sql, by_handle=by_handle, by_group=by_group)
-    if lease:
-        clause = clause.bindparams(bindparam("token", type_=Uuid()))
-    return clause.columns(*(_col(name) for name in MESSAGE_COLUMNS))  # type: ignore[return-value]
+    return sql
 
 
 def _picked_ones(dialect: str) -> str:

@@ -360,7 +360,7 @@ for _op in ("INSERT", "UPDATE"):
 receive_lease = Table(
     "broker_receive_lease",
     metadata,
-    Column("lease_key", Integer, primary_key=True, autoincrement=False),
+    Column("lease_key", BigId, primary_key=True, autoincrement=False),
     Column("queue_id", Integer, nullable=False),
     Column("pid", Integer, nullable=False),
     Column("backend_start", Timestamp, nullable=True),
@@ -378,7 +378,7 @@ receive_lease = Table(
 receive_commit = Table(
     "broker_receive_commit",
     metadata,
-    Column("lease_key", Integer, primary_key=True, autoincrement=False),
+    Column("lease_key", BigId, primary_key=True, autoincrement=False),
     info={"unlogged": True},
     comment="Leases whose receiving transaction committed (written inside that transaction).",
 )

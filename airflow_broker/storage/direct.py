@@ -1,0 +1,264 @@
+"""PostgreSQL: the hot statements sent straight through libpq, one round trip each.
+
+SEND's fast path and RECEIVE's claim are nearly all a messaging transaction does. Through
+SQLAlchemy and psycopg's cursor, a transaction's first statement costs two round trips (psycopg
+sends BEGIN on its own and waits for it, pipeline mode included), plus the work of both
+layers. On a machine where a loopback round trip is 0.07 ms, that was a third of a single
+SEND. Here a statement travels as one simple query on the connection's libpq handle:
+
+- a transaction's ``BEGIN`` rides in the same query as its first statement;
+- statements are prepared once per connection (SQL ``PREPARE``, in the same query as their
+  first ``EXECUTE``) and run by ``EXECUTE name(literals)``, so the server neither parses nor
+  plans them again (the claim's plan costs more than running it);
+- values are written as literals: numbers and UUIDs by their own spelling, text through
+  libpq's ``PQescapeLiteral``, bytea as ``decode('HEX', 'hex')`` (no backslashes, whatever
+  ``standard_conforming_strings`` says);
+- rows are decoded by psycopg's own loaders (:class:`psycopg.adapt.Transformer`).
+
+The SQLAlchemy :class:`~sqlalchemy.engine.Connection` stays the owner of the transaction: its
+transaction is begun (no SQL on PostgreSQL) before the statement, and it commits or rolls back
+as usual; psycopg reads the server's transaction status from libpq, so it sends COMMIT. Errors
+are raised as SQLAlchemy raises them (``DBAPIError`` wrapping psycopg's exception for the
+SQLSTATE). A lost connection, or an interruption while a statement is in flight, invalidates
+the connection. The wait for the answer is a ``select`` loop, so signals (an Airflow task's
+timeout) interrupt it as they interrupt psycopg.
+
+The broker's engines turn psycopg's own preparing off (``prepare_threshold=None``): psycopg
+answers a ROLLBACK with ``DEALLOCATE ALL`` once it has prepared anything, and that would take
+these statements with it. Behind a pooler that hands each transaction another server process
+(PgBouncer in transaction mode) nothing prepared lasts: the first transaction that finds its
+statement missing (or another's there) starts again, and the engine sends its statements whole
+from then on, still one round trip each.
+
+SQLite, and every other statement, go through SQLAlchemy as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import select
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.exc import DBAPIError
+
+if TYPE_CHECKING:
+    from psycopg.pq.abc import PGresult
+    from sqlalchemy.engine import Connection, Engine
+
+log = logging.getLogger(__name__)
+
+#: SQL the direct path ran: a hook for diagnostics (``bench.statements`` counts round trips).
+#: Called with the query's bytes and the seconds it took, or not at all when None.
+observer: Callable[[bytes, float], None] | None = None
+
+#: Bodies longer than this go through SQLAlchemy's extended protocol (sent binary, not as hex
+#: text twice their size); the direct path is for the many small messages.
+MAX_LITERAL_BODY = 64 * 1024
+
+
+class Prepared:
+    """A statement prepared once per connection: ``PREPARE name (types) AS sql``.
+
+    :param sql: the statement, with ``$1``, ``$2``... for its parameters.
+    :param types: the SQL type of each parameter, in order.
+    """
+
+    __slots__ = ("name", "prepare", "sql", "types")
+
+    def __init__(self, sql: str, types: Sequence[str]) -> None:
+        digest = hashlib.sha1(f"{','.join(types)}|{sql}".encode(), usedforsecurity=False)
+        self.name = f"broker_{digest.hexdigest()[:16]}"
+        self.sql = sql
+        self.types = tuple(types)
+        self.prepare = f"PREPARE {self.name} ({', '.join(types)}) AS {sql}".encode()
+
+    def inline(self, literals: Sequence[bytes]) -> bytes:
+        """The statement with its parameters written in (for a server that keeps no prepared
+        statements between transactions)."""
+        sql = self.sql.encode()
+        # From the last parameter down, so that $1 never eats the start of $12.
+        for i in range(len(literals), 0, -1):
+            typed = b"CAST(" + literals[i - 1] + b" AS " + self.types[i - 1].encode() + b")"
+            sql = sql.replace(b"$" + str(i).encode(), typed)
+        return sql
+
+
+# -- literals ------------------------------------------------------------------------------------
+def literal(escaping: Any, value: Any) -> bytes:
+    """``value`` as a SQL literal of its type (None, bool, int, UUID, aware datetime, str,
+    bytes, or a list of UUIDs); ``escaping`` is the connection's ``psycopg.pq.Escaping``."""
+    if value is None:
+        return b"NULL"
+    if isinstance(value, bool):
+        return b"true" if value else b"false"
+    if isinstance(value, int):
+        return str(int(value)).encode()
+    if isinstance(value, uuid.UUID):
+        return b"'" + str(value).encode() + b"'::uuid"
+    if isinstance(value, bytes | bytearray | memoryview):
+        return b"decode('" + bytes(value).hex().encode() + b"','hex')"
+    if isinstance(value, str):
+        quoted: bytes = escaping.escape_literal(value.encode())
+        return quoted
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ValueError(f"a naive datetime cannot be sent as timestamptz: {value!r}")
+        return b"'" + value.isoformat().encode() + b"'::timestamptz"
+    if isinstance(value, list) and all(isinstance(v, uuid.UUID) for v in value):
+        return b"'{" + ",".join(str(v) for v in value).encode() + b"}'::uuid[]"
+    raise TypeError(f"no SQL literal for {type(value).__name__} {value!r}")
+
+
+# -- running ---------------------------------------------------------------------------------
+def execute(conn: Connection, statement: Prepared, args: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """Run ``statement`` with ``args`` inside ``conn``'s transaction (begun here when it is
+    not yet) in one round trip; return its rows as tuples."""
+    if not conn.in_transaction():
+        conn.begin()
+    fairy = conn.connection
+    raw: Any = fairy.driver_connection
+    pgconn = raw.pgconn
+    info = fairy.info
+    escaping = info.get("broker_escaping")
+    if escaping is None:
+        from psycopg import pq
+
+        escaping = info["broker_escaping"] = pq.Escaping(pgconn)
+    literals = [literal(escaping, a) for a in args]
+    begin = pgconn.transaction_status == _IDLE
+    inline = conn.engine in _inline_engines
+    if inline:
+        query = statement.inline(literals)
+    else:
+        query = b"EXECUTE " + statement.name.encode() + b"(" + b",".join(literals) + b")"
+    prepared: set[str] = info.setdefault("broker_prepared", set())
+    new = not inline and statement.name not in prepared
+    parts = [statement.prepare] if new else []
+    if begin:
+        parts.append(b"BEGIN")
+    parts.append(query)
+    try:
+        result = _run(conn, raw, b";".join(parts))
+    except DBAPIError as exc:
+        state = getattr(exc.orig, "sqlstate", None)
+        if inline or state not in _NOT_KEPT or not begin or exc.connection_invalidated:
+            raise
+        # The server did not keep what this connection prepared (or kept another's): a
+        # transaction-mode pooler such as PgBouncer hands each transaction another server
+        # process. This engine writes its statements out from now on; this transaction had
+        # done nothing yet, so it starts again.
+        log.warning(
+            "%s: prepared statements do not last between transactions here (%s); the broker's "
+            "hot statements are sent whole from now on",
+            conn.engine.url.render_as_string(hide_password=True),
+            exc.orig,
+        )
+        _inline_engines.add(conn.engine)
+        prepared.clear()
+        conn.rollback()
+        conn.begin()
+        result = _run(conn, raw, b"BEGIN;" + statement.inline(literals))
+    if new:
+        prepared.add(statement.name)
+    transformer = info.get("broker_transformer")
+    if transformer is None:
+        from psycopg.adapt import Transformer
+
+        transformer = info["broker_transformer"] = Transformer(raw)
+    transformer.set_pgresult(result)
+    rows: list[tuple[Any, ...]] = transformer.load_rows(0, result.ntuples, tuple)
+    transformer.set_pgresult(None)
+    return rows
+
+
+#: SQLSTATEs of a prepared statement missing (26000) or already there (42P05).
+_NOT_KEPT = ("26000", "42P05")
+#: Engines whose server keeps no prepared statements between transactions (see execute).
+_inline_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _run(conn: Connection, raw: Any, query: bytes) -> PGresult:
+    """Send ``query`` (a simple query, perhaps several statements) and return the last result,
+    raising the first error as SQLAlchemy would."""
+    pgconn = raw.pgconn
+    started = _clock() if observer is not None else 0.0
+    try:
+        results = _roundtrip(pgconn, query)
+    except BaseException as exc:
+        # Interrupted, or the connection broke, with the query in flight: nothing more can be
+        # said on this connection.
+        conn.invalidate(exc if isinstance(exc, Exception) else None)
+        if isinstance(exc, Exception) and not isinstance(exc, DBAPIError):
+            import psycopg
+
+            if isinstance(exc, psycopg.Error):
+                raise DBAPIError.instance(
+                    query.decode(errors="replace"),
+                    None,
+                    exc,
+                    psycopg.Error,
+                    connection_invalidated=True,
+                ) from exc
+        raise
+    if observer is not None:
+        observer(query, _clock() - started)
+    for result in results:
+        if result.status not in _SUCCESS:
+            _raise(conn, raw, query, result)
+    return results[-1]
+
+
+def _raise(conn: Connection, raw: Any, query: bytes, result: PGresult) -> None:
+    import psycopg
+    from psycopg import errors
+
+    error = errors.error_from_result(result, encoding=raw.info.encoding)
+    lost = raw.pgconn.status != _OK
+    if lost:
+        conn.invalidate(error)
+    raise DBAPIError.instance(
+        query.decode(errors="replace"), None, error, psycopg.Error, connection_invalidated=lost
+    ) from error
+
+
+def _roundtrip(pgconn: Any, query: bytes) -> list[PGresult]:
+    """libpq's asynchronous query API, waiting on the socket between steps."""
+    from psycopg import OperationalError
+
+    pgconn.send_query(query)
+    fileno = pgconn.socket
+    while pgconn.flush():  # 1: more to send; read what arrives meanwhile, or libpq may stall
+        readable, _, _ = select.select([fileno], [fileno], [])
+        if readable:
+            pgconn.consume_input()
+    results: list[PGresult] = []
+    while True:
+        while pgconn.is_busy():
+            select.select([fileno], [], [])
+            pgconn.consume_input()
+        result = pgconn.get_result()
+        if result is None:
+            if pgconn.status != _OK:
+                raise OperationalError(pgconn.get_error_message())
+            return results
+        results.append(result)
+
+
+def _clock() -> float:
+    return time.perf_counter()
+
+
+# libpq's enum values (psycopg.pq mirrors them): PQTRANS_IDLE, CONNECTION_OK, PGRES_COMMAND_OK
+# and PGRES_TUPLES_OK. Spelled here so that importing this module needs no psycopg.
+_IDLE = 0
+_OK = 0
+_SUCCESS = (1, 2)
+
+
+__all__ = ["MAX_LITERAL_BODY", "Prepared", "execute", "literal", "observer"]

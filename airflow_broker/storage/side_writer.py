@@ -1,0 +1,156 @@
+"""PostgreSQL: writes made outside the caller's transaction, sent without waiting for them.
+
+A receiving transaction registers its lease (which messages it holds, and its server process)
+on a connection of its own, so that the row is visible at once and survives the transaction:
+if the transaction never commits, the row says what to count as a failed attempt. Waiting for
+the server's answer to that INSERT was a round trip in every RECEIVE (0.15 ms of 0.75 on this
+project's machine). :class:`SideWriter` sends the statement and goes on; the answer is read
+before the next write, or when a rollback needs the rows to be there (:meth:`SideWriter.sync`).
+
+What "sent" guarantees: the statement's bytes are in the kernel's socket buffer. A reader that
+dies right after still has its lease written, because the server reads (and runs, in a
+transaction of its own) what arrived before it sees the connection close; that is the same
+guarantee as before, when the reader could die between its claim and the INSERT. The
+connection is autocommit with ``synchronous_commit`` off, and the lease table is UNLOGGED:
+nothing here needs to survive a server crash, which ends every open transaction anyway. A
+write the server refuses is logged; it cannot fail the transaction that made it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: libpq's PGRES_COMMAND_OK (psycopg.pq.ExecStatus mirrors it).
+_COMMAND_OK = 1
+
+
+def _text(value: Any) -> bytes | None:
+    """A parameter in PostgreSQL's text format."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value.isoformat().encode()
+    if isinstance(value, bool):
+        return b"t" if value else b"f"
+    return str(value).encode()
+
+
+class SideWriter:
+    """One autocommit connection, opened on first use and shared under a lock, whose
+    statements are sent and not waited for.
+
+    :param connect: opens a psycopg connection in autocommit mode (the adapter's, with the
+        engine's credentials, TLS settings and role set-up).
+    """
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect = connect
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self._pid = 0
+        #: statements sent whose answers are not read yet
+        self._pending = 0
+        #: connections a forked child inherited: never used or closed here (that would talk
+        #: over the parent's socket), only kept from the garbage collector
+        self._inherited: list[Any] = []
+
+    def send(self, sql: str, params: Sequence[Any]) -> None:
+        """Send ``sql`` (``$1``... for ``params``) to run in a transaction of its own."""
+        command = sql.encode()
+        values = [_text(v) for v in params]
+        with self._lock:
+            for attempt in (1, 2):
+                try:
+                    conn = self._connection()
+                    self._drain(conn)
+                    conn.pgconn.send_query_params(command, values)
+                    _flush(conn.pgconn)
+                    self._pending += 1
+                    return
+                except Exception as exc:
+                    # The server ended the connection (a restart, an administrator's
+                    # pg_terminate_backend): once more on a fresh one.
+                    self._discard()
+                    if attempt == 2:
+                        raise
+                    log.warning("side connection lost (%s): connecting again", exc)
+
+    def sync(self) -> None:
+        """Wait until everything sent so far has run."""
+        with self._lock:
+            if self._conn is None or self._pending == 0:
+                return
+            pending = self._pending
+            try:
+                self._drain(self._conn)
+            except Exception as exc:
+                log.warning("side connection lost with %d write(s) unanswered: %s", pending, exc)
+                self._discard()
+
+    def close(self) -> None:
+        """Read the last answers and close the connection."""
+        with self._lock:
+            if self._conn is not None and self._pid == os.getpid():
+                with contextlib.suppress(Exception):
+                    self._drain(self._conn)
+            self._discard()
+
+    # -- inside the lock -----------------------------------------------------------------------
+    def _connection(self) -> Any:
+        if self._conn is not None and self._pid != os.getpid():
+            self._inherited.append(self._conn)
+            self._conn, self._pending = None, 0
+        if self._conn is None or self._conn.closed:
+            conn = self._connect()
+            conn.execute("SET synchronous_commit = off")
+            self._conn, self._pid, self._pending = conn, os.getpid(), 0
+        return self._conn
+
+    def _drain(self, conn: Any) -> None:
+        """Read the answer of every statement sent; log the ones the server refused."""
+        pgconn = conn.pgconn
+        while self._pending:
+            while pgconn.is_busy():
+                select.select([pgconn.socket], [], [])
+                pgconn.consume_input()
+            result = pgconn.get_result()
+            if result is None:  # the end of one statement's answers
+                self._pending -= 1
+                if pgconn.status != 0:  # CONNECTION_OK
+                    raise ConnectionError(pgconn.get_error_message().decode(errors="replace"))
+                continue
+            if result.status != _COMMAND_OK:
+                message = (result.error_message or b"").decode(errors="replace").strip()
+                log.error("a write outside the transaction failed: %s", message)
+            elif result.command_status == b"INSERT 0 0":
+                log.error("a receive lease was not written: its key is taken")
+
+    def _discard(self) -> None:
+        conn, self._conn, self._pending = self._conn, None, 0
+        if conn is None:
+            return
+        if self._pid != os.getpid():
+            self._inherited.append(conn)
+            return
+        with contextlib.suppress(Exception):
+            conn.close()
+
+
+def _flush(pgconn: Any) -> None:
+    """Push what libpq buffered into the socket (the connection is non-blocking)."""
+    while pgconn.flush():
+        readable, _, _ = select.select([pgconn.socket], [pgconn.socket], [])
+        if readable:
+            pgconn.consume_input()
+
+
+__all__ = ["SideWriter"]

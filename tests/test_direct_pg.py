@@ -1,0 +1,223 @@
+"""storage.direct and storage.side_writer against a real PostgreSQL: the hot statements sent
+through libpq in one round trip, and the receive lease written without waiting.
+
+What they must keep from the SQLAlchemy path they replace: every value reaches the server as it
+was, errors are the DBAPIError subclasses SQLAlchemy raises, a broken or interrupted connection
+is invalidated and never reused, a server that keeps no prepared statements (a transaction-mode
+pooler) still gets its statements, and a reader that dies the moment RECEIVE returns still has
+its failed attempt counted.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
+
+import procs
+import pytest
+import sqlalchemy.exc
+from helpers import NOTE, SUPPLIER_QUEUE, begin, declare_pair, receive, send
+from sqlalchemy import text
+
+from airflow_broker import Broker
+from airflow_broker.storage import direct
+
+MP = multiprocessing.get_context("forkserver")
+
+
+@pytest.fixture
+def observed() -> Iterator[list[bytes]]:
+    """The queries the direct path sends while the test runs."""
+    seen: list[bytes] = []
+    before = direct.observer
+    direct.observer = lambda query, _seconds: seen.append(query)
+    yield seen
+    direct.observer = before
+
+
+def _select(conn: Any, sql_type: str, value: Any) -> Any:
+    rows = direct.execute(conn, direct.Prepared("SELECT $1", [sql_type]), [value])
+    return rows[0][0]
+
+
+ROUND_TRIPS = [
+    ("text", "plain"),
+    ("text", "it's 'quoted'"),
+    ("text", "back\\slash and \\x41"),
+    ("text", "ünïcødé ✓ \u2028"),
+    ("text", ""),
+    ("text", None),
+    ("bytea", b"\x00\x01\xfe\xff'\\"),
+    ("bytea", b""),
+    ("bigint", 0),
+    ("bigint", -(2**63)),
+    ("bigint", 2**63 - 1),
+    ("boolean", True),
+    ("boolean", False),
+    ("uuid", uuid.UUID("00000000-0000-0000-0000-000000000001")),
+    ("uuid[]", [uuid.uuid4(), uuid.uuid4()]),
+    ("timestamptz", datetime(2026, 11, 26, 7, 30, 1, 123456, tzinfo=UTC)),
+]
+
+
+@pytest.mark.parametrize("conforming", ["on", "off"])
+def test_values_reach_the_server_as_they_were(pg_broker: Broker, conforming: str) -> None:
+    with pg_broker.engine.connect() as conn:
+        conn.execute(text(f"SET standard_conforming_strings = {conforming}"))
+        for sql_type, value in ROUND_TRIPS:
+            assert _select(conn, sql_type, value) == value, (sql_type, value)
+        other_zone = datetime(2026, 11, 26, 9, 0, tzinfo=timezone(timedelta(hours=2)))
+        assert _select(conn, "timestamptz", other_zone) == other_zone
+        conn.rollback()
+
+
+def test_a_naive_datetime_or_an_unknown_type_is_refused(pg_broker: Broker) -> None:
+    with pg_broker.engine.connect() as conn:
+        with pytest.raises(ValueError, match="naive"):
+            _select(conn, "timestamptz", datetime(2026, 1, 1))
+        with pytest.raises(TypeError, match="float"):
+            _select(conn, "float8", 1.5)
+
+
+def test_errors_are_the_dbapi_errors_sqlalchemy_raises(pg_broker: Broker) -> None:
+    divide = direct.Prepared("SELECT 1 / $1", ["integer"])
+    with pg_broker.engine.connect() as conn:
+        with pytest.raises(sqlalchemy.exc.DataError) as caught:
+            direct.execute(conn, divide, [0])
+        assert caught.value.orig.sqlstate == "22012"
+        assert not caught.value.connection_invalidated
+        conn.rollback()
+        # The statement prepared in the failed transaction is still there.
+        assert direct.execute(conn, divide, [2]) == [(0,)]
+        conn.commit()
+
+
+def test_the_statement_begins_the_transaction_it_runs_in(
+    pg_broker: Broker, observed: list[bytes]
+) -> None:
+    one = direct.Prepared("SELECT $1::int + 1", ["integer"])
+    with pg_broker.engine.connect() as conn:
+        assert direct.execute(conn, one, [1]) == [(2,)]
+        assert conn.in_transaction()
+        status = conn.connection.driver_connection.pgconn.transaction_status
+        assert status == 2  # PQTRANS_INTRANS: the server is inside the BEGIN
+        assert direct.execute(conn, one, [2]) == [(3,)]
+        conn.commit()
+    first, second = observed
+    assert first.startswith(b"PREPARE ") and b";BEGIN;EXECUTE " in first
+    assert second.startswith(b"EXECUTE ")
+
+
+def test_a_killed_connection_is_invalidated_and_not_reused(pg_broker: Broker) -> None:
+    one = direct.Prepared("SELECT $1::int", ["integer"])
+    with pg_broker.engine.connect() as conn:
+        direct.execute(conn, one, [1])
+        pid = conn.connection.driver_connection.info.backend_pid
+        conn.commit()
+        with pg_broker.engine.connect() as other:
+            other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            other.commit()
+        time.sleep(0.2)
+        with pytest.raises(sqlalchemy.exc.OperationalError) as caught:
+            direct.execute(conn, one, [2])
+        assert caught.value.connection_invalidated
+        assert conn.invalidated
+    with pg_broker.engine.connect() as conn:
+        assert direct.execute(conn, one, [3]) == [(3,)]
+        assert conn.connection.driver_connection.info.backend_pid != pid
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_statement_invalidates_its_connection(pg_broker: Broker) -> None:
+    """A signal (an Airflow task's timeout) interrupts the wait for the answer."""
+    sleep = direct.Prepared("SELECT pg_sleep($1)", ["integer"])
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with pg_broker.engine.connect() as conn:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            started = time.monotonic()
+            with pytest.raises(Interrupted):
+                direct.execute(conn, sleep, [30])
+            assert time.monotonic() - started < 5
+            assert conn.invalidated
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    with pg_broker.engine.connect() as conn:
+        assert direct.execute(conn, direct.Prepared("SELECT $1::int", ["integer"]), [4]) == [(4,)]
+
+
+def test_a_server_that_keeps_no_prepared_statements_gets_them_whole(
+    pg_broker: Broker, observed: list[bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A transaction-mode pooler (PgBouncer) hands the next transaction another server process,
+    where the statement this connection prepared does not exist; DEALLOCATE ALL does the same
+    to one server process."""
+    one = direct.Prepared("SELECT $1::int * 10", ["integer"])
+    with pg_broker.engine.connect() as conn:
+        assert direct.execute(conn, one, [1]) == [(10,)]
+        conn.commit()
+        conn.exec_driver_sql("DEALLOCATE ALL")
+        conn.commit()
+        assert direct.execute(conn, one, [2]) == [(20,)]
+        conn.commit()
+        assert direct.execute(conn, one, [3]) == [(30,)]
+        conn.commit()
+    assert "prepared statements do not last between transactions" in caplog.text
+    # Prepared; then refused (missing) and sent again whole; and whole from then on.
+    verbs = [q.split(b" ", 1)[0] for q in observed]
+    assert verbs == [b"PREPARE", b"BEGIN;EXECUTE", b"BEGIN;SELECT", b"BEGIN;SELECT"]
+    assert observed[-1] == b"BEGIN;SELECT CAST(3 AS integer)::int * 10"
+
+
+def test_large_bodies_take_the_extended_protocol(pg_broker: Broker, observed: list[bytes]) -> None:
+    declare_pair(pg_broker)
+    h = begin(pg_broker)
+    small, large = b"s" * 100, bytes(range(256)) * (direct.MAX_LITERAL_BODY // 256 + 1)
+    send(pg_broker, h, NOTE, small)
+    sends = len(observed)
+    send(pg_broker, h, NOTE, large)
+    assert len(observed) == sends, "a body over MAX_LITERAL_BODY went as a hex literal"
+    assert [m.message_body for m in receive(pg_broker, SUPPLIER_QUEUE)] == [small, large]
+
+
+@pytest.mark.timeout(120)
+def test_a_reader_killed_as_receive_returns_has_its_attempt_counted(pg_url: str) -> None:
+    """The lease row is sent without waiting for the server's answer: SIGKILL right after
+    RECEIVE returns (no pause for the row to land) must still count a failed attempt."""
+    broker = Broker.connect(pg_url)
+    try:
+        declare_pair(broker)
+        h = begin(broker)
+        send(broker, h, NOTE, b"1")
+        kills = 3
+        for kill in range(1, kills + 1):
+            proc = MP.Process(target=procs.receive_then_die, args=(pg_url, SUPPLIER_QUEUE))
+            proc.start()
+            proc.join(60)
+            assert proc.exitcode == -signal.SIGKILL, f"the reader ended with {proc.exitcode}"
+            deadline = time.monotonic() + 30
+            while True:
+                broker.run_due()
+                status = next(q for q in broker.queue_status() if q.name == SUPPLIER_QUEUE)
+                if status.rollback_count >= kill or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert status.rollback_count == kill, f"after {kill} killed reader(s): {status}"
+        (m,) = receive(broker, SUPPLIER_QUEUE)
+        # receive_count counts this hand-out too: three failed ones before it.
+        assert m.message_body == b"1" and m.receive_count == kills + 1
+    finally:
+        broker.dispose()
