@@ -136,6 +136,10 @@ def _install_listeners() -> None:
     def observed(query: bytes, seconds: float) -> None:
         if not LOG.active:
             return
+        if query == b"COMMIT":
+            LOG.commands["COMMIT"] += 1
+            LOG.commit_seconds += seconds
+            return
         statements = query.split(b";")
         if b"BEGIN" in statements:
             LOG.commands["BEGIN (in the same round trip)"] += 1

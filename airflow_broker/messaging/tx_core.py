@@ -30,6 +30,7 @@ from airflow_broker.messaging.fast_send import (
     endpoint_statement,
 )
 from airflow_broker.security import permissions
+from airflow_broker.storage import direct
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.adapters import FailedHold, ReceiveLease
 
@@ -107,7 +108,10 @@ class TransactionCore:
                 # Gone with the commit: this transaction's leases, and the queues' run of
                 # consecutive rollbacks (a committed RECEIVE breaks it).
                 adapter.leases_committing(conn, leases)
-            conn.commit()
+            if adapter.dialect == "postgresql":
+                direct.commit(conn)
+            else:
+                conn.commit()
         except BaseException:
             self._after_rollback()
             raise
