@@ -190,13 +190,31 @@ class DueWork:
         return delivered
 
     def flush_conversation(self, handle: uuid.UUID, now: datetime) -> int:
+        """Deliver what waits in the transmission queue for ``handle``'s local far side, in
+        sequence order, up to the first message that still cannot go; returns how many went.
+
+        PostgreSQL: only the run of rows this transaction can lock from the dialog's first one:
+        a row another pass holds ends it (that pass, or a later one, delivers it and what
+        follows). Two passes that split a dialog's rows between them (their batches lock rows
+        SKIP LOCKED) used to wait for each other's rows here, and deadlocked.
+        """
         t = s.transmission_queue
-        pending = self.conn.execute(
-            select(t).where(t.c.conversation_handle == handle).order_by(t.c.message_sequence_number)
-        ).all()
+        by_seq = select(t).where(t.c.conversation_handle == handle)
+        pending = self.conn.execute(by_seq.order_by(t.c.message_sequence_number)).all()
+        held: set[int] | None = None
+        if self.b.dialect == "postgresql" and pending:
+            held = set(
+                self.conn.execute(
+                    select(t.c.id)
+                    .where(t.c.conversation_handle == handle)
+                    .with_for_update(skip_locked=True)
+                ).scalars()
+            )
         delivery = Delivery(self.b, self.conn)
         delivered = 0
         for msg in pending:
+            if held is not None and msg.id not in held:
+                break
             sender = self.conn.execute(
                 endpoint_statement(self.b.dialect), {"handles": [handle]}
             ).first()
