@@ -36,6 +36,7 @@ from airflow_broker.constants import ERR_CERTIFICATE_EXPIRED
 from airflow_broker.errors import DialogSecurityError
 from airflow_broker.security import certificates, crypto
 from airflow_broker.security.crypto import SecurityFailure
+from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware
 
@@ -383,7 +384,7 @@ def for_sending_many(
         r.conversation_handle: r
         for r in conn.execute(
             select(k.c.conversation_handle, k.c.session_key, k.c.handshake).where(
-                k.c.conversation_handle.in_(handles)
+                bulk.any_of(k.c.conversation_handle, handles, conn.dialect.name)
             )
         )
     }
@@ -413,7 +414,7 @@ def keyed(conn: Connection, handles: list[uuid.UUID]) -> dict[uuid.UUID, bytes]:
         r.conversation_handle: bytes(r.session_key)
         for r in conn.execute(
             select(k.c.conversation_handle, k.c.session_key).where(
-                k.c.conversation_handle.in_(handles)
+                bulk.any_of(k.c.conversation_handle, handles, conn.dialect.name)
             )
         )
     }

@@ -1,9 +1,12 @@
-"""Set-based writes of many rows: one statement on PostgreSQL, executemany elsewhere.
+"""Set-based reads and writes of many rows: one statement on PostgreSQL, executemany elsewhere.
 
 On PostgreSQL, ``INSERT ... SELECT FROM unnest(arrays)`` and ``UPDATE ... FROM unnest(arrays)``
 send a batch of rows as one array per column: one statement, one round trip and one plan,
 whatever the number of rows (psycopg's pipelined executemany still runs one statement per row on
-the server). The delivery path between brokers writes every batch this way.
+the server). The delivery path between brokers writes every batch this way. Look-ups by many
+keys take them as arrays too (:func:`any_of`, :func:`keys_table`): SQLAlchemy spells ``IN`` a
+list of parameters, a new statement text for every length, which psycopg parsed and the server
+planned again each time (1.7 ms of a 0.5 ms look-up for a batch of 50 conversations).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from functools import cache
 from typing import Any
 
 from sqlalchemy import (
+    ARRAY,
     BigInteger,
     Boolean,
     DateTime,
@@ -24,14 +28,19 @@ from sqlalchemy import (
     Text,
     TextClause,
     Uuid,
+    any_,
     bindparam,
+    column,
     delete,
+    func,
     insert,
     text,
     tuple_,
     update,
 )
 from sqlalchemy.engine import Connection
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.selectable import TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
 
@@ -135,4 +144,28 @@ def delete_rows(
         return
     conn.execute(
         _delete_sql(table, columns), {c: [k[i] for k in keys] for i, c in enumerate(columns)}
+    )
+
+
+def any_of(col: ColumnElement[Any], values: Sequence[Any], dialect: str) -> ColumnElement[bool]:
+    """``col IN values``: on PostgreSQL ``col = ANY(array)``, one parameter whatever the number
+    of values (the statement's text, parse and plan stay the same); an IN list elsewhere."""
+    if dialect == "postgresql":
+        return col == any_(bindparam(None, list(values), type_=ARRAY(col.type)))
+    return col.in_(list(values))
+
+
+def keys_table(
+    name: str, columns: dict[str, TypeEngine[Any]], rows: Sequence[tuple[Any, ...]]
+) -> TableValuedAlias:
+    """PostgreSQL: ``rows`` as a table named ``name`` (``unnest`` of one array per column), to
+    join a look-up by several keys to. ``columns``: name -> type, in the order of each row."""
+    arrays = [
+        bindparam(None, [r[i] for r in rows], type_=ARRAY(t))
+        for i, t in enumerate(columns.values())
+    ]
+    return (
+        func.unnest(*arrays)
+        .table_valued(*(column(c, t) for c, t in columns.items()))
+        .render_derived(name=name)
     )

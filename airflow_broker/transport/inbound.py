@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import delete, select, text, tuple_, update
+from sqlalchemy import Boolean, Uuid, delete, select, text, tuple_, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
@@ -189,14 +189,23 @@ class _Taker:
 
     def run(self, packets: Sequence[Packet], indexes: list[int]) -> None:
         e = s.conversation_endpoint
-        keys = {(packets[i].conversation_id, not packets[i].from_initiator) for i in indexes}
-        stmt = (
-            select(e)
-            .where(tuple_(e.c.conversation_id, e.c.is_initiator).in_(sorted(keys)))
-            .order_by(e.c.conversation_handle)
+        keys = sorted(
+            {(packets[i].conversation_id, not packets[i].from_initiator) for i in indexes}
         )
         if self.b.dialect == "postgresql":
-            stmt = stmt.with_for_update()
+            k = bulk.keys_table("k", {"cid": Uuid(), "ini": Boolean()}, keys)
+            stmt = (
+                select(e)
+                .join(k, (e.c.conversation_id == k.c.cid) & (e.c.is_initiator == k.c.ini))
+                .order_by(e.c.conversation_handle)
+                .with_for_update(of=e)
+            )
+        else:
+            stmt = (
+                select(e)
+                .where(tuple_(e.c.conversation_id, e.c.is_initiator).in_(keys))
+                .order_by(e.c.conversation_handle)
+            )
         endpoints = {
             (r.conversation_id, r.is_initiator): dict(r._mapping) for r in self.conn.execute(stmt)
         }
@@ -260,7 +269,7 @@ class _Taker:
         held: dict[uuid.UUID, dict[int, str]] = defaultdict(dict)
         for r in self.conn.execute(
             select(m.c.conversation_handle, m.c.message_sequence_number, m.c.message_type_name)
-            .where(m.c.conversation_handle.in_(handles))
+            .where(bulk.any_of(m.c.conversation_handle, handles, self.b.dialect))
             .where(m.c.status == STATUS_NOT_COMPLETE)
         ):
             held[r.conversation_handle][r.message_sequence_number] = r.message_type_name

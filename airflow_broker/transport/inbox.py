@@ -36,6 +36,7 @@ from sqlalchemy.exc import DBAPIError
 
 from airflow_broker.errors import InvalidDefinition, UnknownObject
 from airflow_broker.messaging.delivery import backoff
+from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.transport.inbound import Inbound
@@ -223,7 +224,7 @@ def _accept_some(b: BrokerContext, transport: Transport, counts: dict[str, int])
                 }
             )
         conn.execute(insert(s.inbox_answer), answer_rows)
-        conn.execute(delete(i).where(i.c.id.in_([r.id for r in rows])))
+        conn.execute(delete(i).where(bulk.any_of(i.c.id, [r.id for r in rows], conn.dialect.name)))
     return len(rows)
 
 

@@ -478,7 +478,8 @@ class Transport:
                 rows = [dict(r._mapping) for r in conn.execute(stmt)]
                 if not rows:
                     return
-                conn.execute(delete(tr).where(tr.c.id.in_([r["id"] for r in rows])))
+                ids = [r["id"] for r in rows]
+                conn.execute(delete(tr).where(bulk.any_of(tr.c.id, ids, b.dialect)))
         else:
             with _memory_lock:
                 store = _memory_transit.get(_key(b), [])

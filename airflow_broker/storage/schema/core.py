@@ -270,7 +270,6 @@ transmission_queue = Table(
         Uuid,
         ForeignKey("broker_conversation_endpoint.conversation_handle", ondelete="CASCADE"),
         nullable=False,
-        index=True,
     ),
     Column("conversation_id", Uuid, nullable=False),
     Column("is_initiator", Boolean, nullable=False),
@@ -292,6 +291,14 @@ transmission_queue = Table(
     # message_body is sealed under the dialog's session key (dialog security).
     Column("sealed", Boolean, nullable=True),
     Index("ix_broker_transmission_queue_next_attempt_at", "next_attempt_at"),
+    # A dialog's waiting messages, and one of them by sequence number: acknowledgments take
+    # rows out by (handle, sequence), which without the second column was a scan of the whole
+    # queue for every batch (migration 0017).
+    Index(
+        "ix_broker_transmission_queue_handle_sequence",
+        "conversation_handle",
+        "message_sequence_number",
+    ),
     comment="Messages waiting to leave for a service this broker does not host (or cannot reach).",
 )
 
