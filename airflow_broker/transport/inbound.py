@@ -192,20 +192,13 @@ class _Taker:
         keys = sorted(
             {(packets[i].conversation_id, not packets[i].from_initiator) for i in indexes}
         )
-        if self.b.dialect == "postgresql":
+        stmt = select(e).order_by(e.c.conversation_handle)
+        if self.b.dialect == "postgresql":  # one array per key: the same statement every batch
             k = bulk.keys_table("k", {"cid": Uuid(), "ini": Boolean()}, keys)
-            stmt = (
-                select(e)
-                .join(k, (e.c.conversation_id == k.c.cid) & (e.c.is_initiator == k.c.ini))
-                .order_by(e.c.conversation_handle)
-                .with_for_update(of=e)
-            )
+            on = (e.c.conversation_id == k.c.cid) & (e.c.is_initiator == k.c.ini)
+            stmt = stmt.join(k, on).with_for_update(of=e)
         else:
-            stmt = (
-                select(e)
-                .where(tuple_(e.c.conversation_id, e.c.is_initiator).in_(keys))
-                .order_by(e.c.conversation_handle)
-            )
+            stmt = stmt.where(tuple_(e.c.conversation_id, e.c.is_initiator).in_(keys))
         endpoints = {
             (r.conversation_id, r.is_initiator): dict(r._mapping) for r in self.conn.execute(stmt)
         }
