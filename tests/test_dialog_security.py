@@ -265,3 +265,51 @@ def test_a_dialog_in_one_broker_needs_nothing(tmp_path: Path) -> None:
     send(b, 2)  # encryption=True, no security configured: local, so it goes at once
     assert [json.loads(m.message_body)["k"] for m in drain(b, TARGET_QUEUE)] == [0, 1]
     b.dispose()
+
+
+def _statements_of_one_send(east: Broker, n: int, **begin: object) -> tuple[int, list[uuid.UUID]]:
+    from sqlalchemy import event
+
+    with east.transaction() as tx:
+        handles = [tx.begin_dialog(INITIATOR, TARGET, **begin) for _ in range(n)]  # type: ignore[arg-type]
+    seen: list[str] = []
+
+    def count(*args: object) -> None:
+        seen.append(str(args[2]))
+
+    event.listen(east.engine, "before_cursor_execute", count)
+    try:
+        with east.transaction() as tx:
+            tx.send(handles, body={"k": 1})
+    finally:
+        event.remove(east.engine, "before_cursor_execute", count)
+    return len(seen), handles
+
+
+def test_a_send_on_many_dialogs_to_another_broker_looks_up_their_security_at_once(
+    pair: Pair,
+) -> None:
+    """Whether each conversation seals what it sends is asked for all of them at once: a SEND's
+    statements do not grow with its conversations (it was two a conversation: 1.07 ms a
+    message for a SEND on 1,000, 0.13 ms now)."""
+    east, _west = pair
+    _statements_of_one_send(east, 4, encryption=False)  # fills the definition caches
+    few, _ = _statements_of_one_send(east, 4, encryption=False)
+    many, _ = _statements_of_one_send(east, 40, encryption=False)
+    # Slack for a definition cache that expires in between (it re-reads a few rows).
+    assert many <= few + 3, f"{few} statements for 4 conversations, {many} for 40"
+    assert len(east.transmission_queue()) == 48
+
+
+def test_a_send_on_several_secure_dialogs_seals_each_with_its_own_key(pair: Pair) -> None:
+    east, west = pair
+    secure(east, west)
+    with east.transaction() as tx:
+        handles = [tx.begin_dialog(INITIATOR, TARGET) for _ in range(3)]
+        tx.send(handles, body=SECRET)
+    bodies = tq_bodies(east)
+    assert len(bodies) == 3 and not any(MARKER in body for body in bodies)
+    assert len(set(bodies)) == 3  # three session keys
+    assert east.deliver().delivered == 3
+    got = drain(west, TARGET_QUEUE)
+    assert [m.json()["card"] for m in got] == [SECRET["card"]] * 3

@@ -510,6 +510,23 @@ class Delivery:
             reason,
         )
 
+    def prefetch_sealing(self, senders: list[Any], now: datetime) -> None:
+        """Look up at once how many conversations bound for another broker seal what they send
+        (:func:`dialogs.for_sending_many`: one query for their keys, one for the bindings),
+        instead of two queries a conversation when each message is routed (measured: a SEND on
+        1,000 conversations to another broker's service took 1.07 ms a message, 0.9 of it in
+        those look-ups). ``senders`` are endpoint rows whose far side is not in this database."""
+        if self.b.client_role is not None:
+            return  # a restricted role seals nothing (see _sealing)
+        todo = [r for r in senders if r.conversation_handle not in self._seals]
+        if not todo:
+            return
+        for handle, got in dialogs.for_sending_many(self.conn, todo, now).items():
+            if isinstance(got, dialogs.Wait | SecurityFailure):
+                self._seals[handle] = (None, got.reason)
+            else:
+                self._seals[handle] = (got, None)
+
     def _sealing(self, sender: Any, now: datetime) -> tuple[dialogs.Sealing | None, str | None]:
         """The conversation's sealing (None: in clear), once per conversation and transaction,
         and why it waits when it must be secured and cannot be yet. A certificate that expired

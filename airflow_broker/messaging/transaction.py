@@ -360,6 +360,7 @@ class Transaction(Receiving, Ending):
             ],
         )
         delivery = Delivery(self.broker, self.connection, batch=True)
+        delivery.prefetch_sealing([row for row, _ in general if row.far_queue_id is None], now)
         for row, code in general:
             if row.own_retention:
                 self._retain_sent(row, message_type, row.send_sequence, payload, code, now)
