@@ -24,7 +24,9 @@ file). Both latencies are mostly the scheduler's: its loop sleeps up to
 when it found nothing to do, and an asset event becomes a run, the run's task is queued and the
 task starts on successive loops. The settings used are printed with the results.
 
-Prints p50 and p95 of both, then ``target activation_p50: SECONDS (goal <= 2.0)`` and
+Prints p50 and p95 of both, the activation's steps by the metadata database's timestamps (the
+asset event, the reader run, its task instance), then
+``target activation_p50: SECONDS (goal <= 2.0)`` and
 ``target activation_vs_scheduler_p50: RATIO (goal <= 0.5)`` (activation p50 over the
 scheduler's).
 """
@@ -123,6 +125,72 @@ def measure(af: AirflowStack, broker: Broker, activations: int, plain: int) -> N
         af.wait_for("the target to finish", lambda: _idle(af, "latency_target"), every=0.1)
 
 
+#: Where an activation's time goes, by the metadata database's own timestamps (segment name,
+#: from, to): each reader run's asset event, the run, and its task instance.
+STEPS = (
+    ("SEND -> asset event logged", "sent", "event"),
+    ("asset event -> run queued", "event", "run_queued"),
+    ("run queued -> run started", "run_queued", "run_started"),
+    ("run started -> task scheduled", "run_started", "ti_scheduled"),
+    ("task scheduled -> task queued", "ti_scheduled", "ti_queued"),
+    ("task queued -> task started", "ti_queued", "ti_started"),
+    ("task started -> execute()", "ti_started", "executed"),
+)
+
+_READER_RUNS = text(
+    """
+    SELECT EXTRACT(EPOCH FROM ae.timestamp) AS event,
+           EXTRACT(EPOCH FROM r.queued_at) AS run_queued,
+           EXTRACT(EPOCH FROM r.start_date) AS run_started,
+           EXTRACT(EPOCH FROM ti.scheduled_dttm) AS ti_scheduled,
+           EXTRACT(EPOCH FROM ti.queued_dttm) AS ti_queued,
+           EXTRACT(EPOCH FROM ti.start_date) AS ti_started
+    FROM dag_run r
+    JOIN task_instance ti ON ti.dag_id = r.dag_id AND ti.run_id = r.run_id
+    JOIN dagrun_asset_event dae ON dae.dag_run_id = r.id
+    JOIN asset_event ae ON ae.id = dae.event_id
+    WHERE r.dag_id = 'latency_reader'
+    ORDER BY r.queued_at
+    """
+)
+
+
+def _airflow_steps(af: AirflowStack, broker: Broker) -> dict[str, list[float]]:
+    """Each step's durations over the measured activations (the warm-up left out), matched to
+    the reader runs in order (one activation at a time); empty when they do not match up, or
+    when the metadata database is not PostgreSQL."""
+    if not af.metadata_url.startswith("postgresql"):
+        return {}
+    with af.metadata().connect() as conn:
+        runs = [dict(r._mapping) for r in conn.execute(_READER_RUNS)]
+    with broker.engine.connect() as conn:
+        sent = [
+            float(v)
+            for v in conn.execute(
+                text("SELECT started FROM bench_latency WHERE kind = 'activation' ORDER BY id")
+            ).scalars()
+        ]
+        executed = [
+            float(v)
+            for v in conn.execute(
+                text("SELECT seen FROM bench_latency WHERE kind = 'activation_execute' ORDER BY id")
+            ).scalars()
+        ]
+    if not (len(runs) == len(sent) == len(executed)):
+        return {}
+    steps: dict[str, list[float]] = {name: [] for name, _, _ in STEPS}
+    for run, at, ex in list(zip(runs, sent, executed, strict=True))[1:]:
+        times = {
+            **{k: float(v) for k, v in run.items() if v is not None},
+            "sent": at,
+            "executed": ex,
+        }
+        for name, start, end in STEPS:
+            if start in times and end in times:
+                steps[name].append(times[end] - times[start])
+    return steps
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -160,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             airflow_stack(Path(tmp), DAGS, metadata_url=metadata, extra_env=env) as af,
         ):
             measure(af, broker, args.activations, args.plain)
+            steps = _airflow_steps(af, broker)
         activation = _latencies(broker, "activation")[1:]  # without the warm-up
         execute = _latencies(broker, "activation_execute")[1:]
         scheduler = _latencies(broker, "scheduler")
@@ -191,6 +260,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{'  of which execute() -> RECEIVE':<34} {len(own):>4} {_pct(own, 0.5):>7.2f} "
             f"{_pct(own, 0.95):>7.2f} {statistics.mean(own):>7.2f}"
         )
+    if steps:
+        print()
+        print(f"{'where an activation goes (s)':<34} {'n':>4} {'p50':>7} {'p95':>7} {'mean':>7}")
+        for name, values in steps.items():
+            if values:
+                print(
+                    f"{name:<34} {len(values):>4} {_pct(values, 0.5):>7.2f} "
+                    f"{_pct(values, 0.95):>7.2f} {statistics.mean(values):>7.2f}"
+                )
     print()
     print(f"target activation_p50: {_pct(activation, 0.5):.2f} (goal <= {GOAL_P50})")
     ratio = _pct(activation, 0.5) / _pct(scheduler, 0.5)
