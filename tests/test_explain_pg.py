@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.pool import NullPool
 
 from airflow_broker import Broker
 from airflow_broker.storage import queries
@@ -283,3 +284,99 @@ def test_claim_plan_survives_statistics_taken_while_the_queue_was_empty(pg_broke
     ]
     # 1,000 ready messages: the first one in order belongs to a free group, so one row is read.
     assert ready_reads == [1], ready_reads
+
+
+def _two_groups(broker: Broker, queue: str, first: int, second: int) -> tuple[Any, Any]:
+    """A queue whose oldest ``first`` ready messages are in one conversation group (10 dialogs)
+    and the next ``second`` in another (10 more); returns the two group ids."""
+    initiator, target = f"//{queue}/initiator", f"//{queue}/target"
+    with broker.definitions() as d:
+        d.create_queue(f"{queue}_initiator")
+        d.create_queue(queue)
+        d.create_service(initiator, queue=f"{queue}_initiator", contracts=["DEFAULT"])
+        d.create_service(target, queue=queue, contracts=["DEFAULT"])
+    groups, senders = [], []
+    for _ in range(2):
+        with broker.transaction() as tx:
+            handles = [tx.begin_dialog(initiator, target) for _ in range(10)]
+            tx.send(handles, body={"n": -1})
+        far: set[Any] = set()
+        for _ in range(10):  # one dialog's group per RECEIVE
+            with broker.transaction() as tx:
+                far |= {m.conversation_handle for m in tx.receive(queue)}
+        assert len(far) == 10
+        with broker.transaction() as tx:
+            leader = tx.conversation(min(far)).conversation_group_id
+            for h in far - {min(far)}:
+                tx.move_conversation(h, leader)
+        groups.append(leader)
+        senders.append(handles)
+    for handles, count in zip(senders, (first, second), strict=True):
+        with broker.transaction() as tx:
+            for i in range(count // 10):
+                tx.send(handles, body={"n": i})
+    return groups[0], groups[1]
+
+
+def _lock_group(broker: Broker, group: Any) -> Connection:
+    """Another transaction holding ``group`` as a RECEIVE holds it (roll back to free it)."""
+    holder = create_engine(broker.engine.url, poolclass=NullPool).connect()
+    holder.execute(
+        text(
+            "SELECT 1 FROM broker_conversation_group WHERE conversation_group_id = :g "
+            "FOR NO KEY UPDATE"
+        ),
+        {"g": group},
+    )
+    return holder
+
+
+def test_a_claim_with_every_busy_group_locked_does_not_walk_the_queue(pg_broker: Broker) -> None:
+    """More readers than busy groups: the readers left over find every group locked. Their
+    claim tries the groups of the first messages and then each group of the queue once; it must
+    not try the same locked groups again for each of the thousands of messages behind them."""
+    a, b = _two_groups(pg_broker, "locked_q", 2_000, 2_000)
+    holders = [_lock_group(pg_broker, g) for g in (a, b)]
+    try:
+        stmt = queries.claim_statement("postgresql", top=100, mark=True)
+        with pg_broker.engine.connect() as conn:
+            queue_id = conn.execute(
+                text("SELECT queue_id FROM broker_queue WHERE name = 'locked_q'")
+            ).scalar_one()
+            raw = conn.execute(
+                text(f"EXPLAIN (ANALYZE, FORMAT JSON) {_sql(stmt)}"),
+                {"queue_id": queue_id, "lease_key": 1, "now": utcnow()},
+            ).scalar_one()
+            conn.rollback()
+    finally:
+        for h in holders:
+            h.rollback()
+            h.close()
+    plan = raw[0]["Plan"]
+    assert plan["Actual Rows"] == 0, "a locked group's messages were claimed"
+    read = sum(
+        n["Actual Rows"] * n.get("Actual Loops", 1)
+        for n in _plan_nodes(plan)
+        if n.get("Relation Name") == "broker_message"
+    )
+    assert read <= queries.FIRST_LOOK + 10, f"an empty claim read {read} of 4,000 messages"
+
+
+def test_a_free_group_behind_the_first_look_is_claimed(pg_broker: Broker) -> None:
+    """The oldest ready messages, many more than a claim first looks at, are in a locked group;
+    a free group's messages come after them. RECEIVE takes the free group's, all of them, and
+    none of the locked group's."""
+    busy, free = _two_groups(pg_broker, "behind_q", 10 * queries.FIRST_LOOK, 50)
+    holder = _lock_group(pg_broker, busy)
+    try:
+        with pg_broker.transaction() as tx:
+            got = tx.receive("behind_q", top=1_000)
+    finally:
+        holder.rollback()
+        holder.close()
+    assert {m.conversation_group_id for m in got} == {free}
+    assert len(got) == 50
+    with pg_broker.transaction() as tx:
+        rest = tx.receive("behind_q", top=10_000)
+    assert len(rest) == 10 * queries.FIRST_LOOK
+    assert {m.conversation_group_id for m in rest} == {busy}

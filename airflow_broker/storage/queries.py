@@ -96,6 +96,11 @@ _FREE_M = (
 )
 
 
+#: PostgreSQL: how many of the oldest ready messages a claim tries the groups of, in queue order,
+#: before it looks for a free group by walking the queue's groups (see :func:`_group_picker`).
+FIRST_LOOK = 32
+
+
 def _group_picker(dialect: str, *, by_handle: bool, by_group: bool) -> str:
     pg = dialect == "postgresql"
     lock_g = "FOR NO KEY UPDATE OF g SKIP LOCKED" if pg else ""
@@ -124,20 +129,46 @@ def _group_picker(dialect: str, *, by_handle: bool, by_group: bool) -> str:
             f"AND {_FREE} AND {_ENABLED} {lock}"
         )
     if pg:
-        # The group row is locked in a LATERAL subquery, once per ready message in queue order,
-        # until one is free. A subquery with a locking clause is never flattened, so this stays
-        # a nested loop over the ready-message index whatever the statistics say: a queue table
-        # analyzed while empty would otherwise get a hash join that reads and sorts every ready
-        # message (measured: 2.0 ms instead of 0.13 ms for 1,000 messages).
-        return (
-            "SELECT l.conversation_group_id FROM broker_message m "
+        # First the groups of the oldest ready messages, in queue order: the group row is locked
+        # in a LATERAL subquery, once per message, until one is free. A subquery with a locking
+        # clause is never flattened, so this stays a nested loop over the ready-message index
+        # whatever the statistics say: a queue table analyzed while empty would otherwise get a
+        # hash join that reads and sorts every ready message (measured: 2.0 ms instead of
+        # 0.13 ms for 1,000 messages).
+        #
+        # Only the first FIRST_LOOK of them, though: when every group holding ready messages is
+        # locked (more readers than busy groups), walking on message by message tries the same
+        # few locked groups once per message, the whole queue (measured: 65 ms for an empty
+        # claim over 10,000 ready messages in 4 locked groups). Past them the queue's groups
+        # with ready messages are walked one group at a time (a skip scan of the group index
+        # that visits each group once), and the first free one is taken. Appended under LIMIT
+        # 1, that walk runs only when the first part found nothing.
+        lock_free = (
             "CROSS JOIN LATERAL (SELECT g.conversation_group_id "
             "FROM broker_conversation_group g "
-            f"WHERE g.conversation_group_id = m.conversation_group_id AND {_FREE} "
-            "FOR NO KEY UPDATE SKIP LOCKED) l "
-            f"WHERE m.queue_id = :queue_id AND m.status = 1 AND {_ENABLED} "
-            "ORDER BY m.priority DESC, m.queuing_order LIMIT 1"
+            f"WHERE g.conversation_group_id = c.conversation_group_id AND {_FREE} "
+            "FOR NO KEY UPDATE SKIP LOCKED) l"
         )
+        oldest = (
+            "SELECT l.conversation_group_id FROM (SELECT m.conversation_group_id "
+            "FROM broker_message m WHERE m.queue_id = :queue_id AND m.status = 1 "
+            f"ORDER BY m.priority DESC, m.queuing_order LIMIT {FIRST_LOOK}) c {lock_free} "
+            f"WHERE {_ENABLED} LIMIT 1"
+        )
+        next_group = (
+            "SELECT m.conversation_group_id FROM broker_message m "
+            "WHERE m.queue_id = :queue_id AND m.status = 1{after} "
+            "ORDER BY m.conversation_group_id LIMIT 1"
+        )
+        after = " AND m.conversation_group_id > c.conversation_group_id"
+        walk = (
+            "WITH RECURSIVE c (conversation_group_id) AS "
+            f"(({next_group.format(after='')}) UNION ALL "
+            f"SELECT ({next_group.format(after=after)}) "
+            "FROM c WHERE c.conversation_group_id IS NOT NULL) "
+            f"SELECT l.conversation_group_id FROM c {lock_free} WHERE {_ENABLED} LIMIT 1"
+        )
+        return f"SELECT conversation_group_id FROM (({oldest}) UNION ALL ({walk})) p LIMIT 1"
     return (
         "SELECT m.conversation_group_id FROM broker_message m "
         f"WHERE m.queue_id = :queue_id AND m.status = 1 AND {_FREE_M} AND {_ENABLED} "

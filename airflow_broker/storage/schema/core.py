@@ -323,9 +323,12 @@ Index(
     postgresql_where=text("status = 1"),
     sqlite_where=text("status = 1"),
 )
-# ... then takes the ready messages of that one group, in the order RECEIVE returns them.
+# ... then takes the ready messages of that one group, in the order RECEIVE returns them. The
+# queue leads, so that a claim that finds the groups of the oldest messages locked can walk the
+# queue's groups with ready messages one by one (migration 0018).
 Index(
     "ix_broker_message_group",
+    message.c.queue_id,
     message.c.conversation_group_id,
     message.c.priority.desc(),
     message.c.precedence,
