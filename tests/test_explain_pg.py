@@ -20,7 +20,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.pool import NullPool
 
 from airflow_broker import Broker
-from airflow_broker.storage import queries
+from airflow_broker.storage import direct, queries
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.schema import message as message_table
 
@@ -249,6 +249,23 @@ def test_claim_really_runs_on_the_deep_queue_through_its_index(conn: Connection)
     print(f"\nclaim of {PER_DIALOG} messages: {raw[0]['Execution Time']:.1f} ms")
 
 
+def _analyze_claim(broker: Broker, queue: str, *, top: int) -> dict[str, Any]:
+    """The plan of RECEIVE TOP (``top``)'s claim on ``queue``, run by EXPLAIN ANALYZE (and
+    rolled back)."""
+    stmt = queries.claim_statement("postgresql", top=top, mark=True)
+    with broker.engine.connect() as conn:
+        queue_id = conn.execute(
+            text("SELECT queue_id FROM broker_queue WHERE name = :q"), {"q": queue}
+        ).scalar_one()
+        raw = conn.execute(
+            text(f"EXPLAIN (ANALYZE, FORMAT JSON) {_sql(stmt)}"),
+            {"queue_id": queue_id, "lease_key": 1, "now": utcnow()},
+        ).scalar_one()
+        conn.rollback()
+    plan: dict[str, Any] = raw[0]["Plan"]
+    return plan
+
+
 def test_claim_plan_survives_statistics_taken_while_the_queue_was_empty(pg_broker: Broker) -> None:
     """Queue tables are often analyzed while empty. The claim must still walk the ready-message
     index in queue order and stop at the first free group, not hash-join and sort the queue."""
@@ -263,17 +280,8 @@ def test_claim_plan_survives_statistics_taken_while_the_queue_was_empty(pg_broke
     for _ in range(20):
         with pg_broker.transaction() as tx:
             tx.send(handles, body=b"x")
-    stmt = queries.claim_statement("postgresql", top=1, mark=True)
-    with pg_broker.engine.connect() as conn:
-        queue_id = conn.execute(
-            text("SELECT queue_id FROM broker_queue WHERE name = 'stats_q'")
-        ).scalar_one()
-        raw = conn.execute(
-            text(f"EXPLAIN (ANALYZE, FORMAT JSON) {_sql(stmt)}"),
-            {"queue_id": queue_id, "lease_key": 1, "now": utcnow()},
-        ).scalar_one()
-        conn.rollback()
-    nodes = list(_plan_nodes(raw[0]["Plan"]))
+    plan = _analyze_claim(pg_broker, "stats_q", top=1)
+    nodes = list(_plan_nodes(plan))
     kinds = {n["Node Type"] for n in nodes}
     assert "Hash Join" not in kinds, kinds
     ready_reads = [
@@ -338,21 +346,11 @@ def test_a_claim_with_every_busy_group_locked_does_not_walk_the_queue(pg_broker:
     a, b = _two_groups(pg_broker, "locked_q", 2_000, 2_000)
     holders = [_lock_group(pg_broker, g) for g in (a, b)]
     try:
-        stmt = queries.claim_statement("postgresql", top=100, mark=True)
-        with pg_broker.engine.connect() as conn:
-            queue_id = conn.execute(
-                text("SELECT queue_id FROM broker_queue WHERE name = 'locked_q'")
-            ).scalar_one()
-            raw = conn.execute(
-                text(f"EXPLAIN (ANALYZE, FORMAT JSON) {_sql(stmt)}"),
-                {"queue_id": queue_id, "lease_key": 1, "now": utcnow()},
-            ).scalar_one()
-            conn.rollback()
+        plan = _analyze_claim(pg_broker, "locked_q", top=100)
     finally:
         for h in holders:
             h.rollback()
             h.close()
-    plan = raw[0]["Plan"]
     assert plan["Actual Rows"] == 0, "a locked group's messages were claimed"
     read = sum(
         n["Actual Rows"] * n.get("Actual Loops", 1)
@@ -380,3 +378,31 @@ def test_a_free_group_behind_the_first_look_is_claimed(pg_broker: Broker) -> Non
         rest = tx.receive("behind_q", top=10_000)
     assert len(rest) == 10 * queries.FIRST_LOOK
     assert {m.conversation_group_id for m in rest} == {busy}
+
+
+def test_an_empty_receive_with_every_group_locked_claims_once(
+    pg_broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader left over (every group with ready messages held by another reader) gets an
+    empty RECEIVE from one claim: a claim that locked no group is not run again, as one that
+    locked a group whose messages another reader had just taken is."""
+    a, b = _two_groups(pg_broker, "idle_q", 100, 100)
+    claims: list[object] = []
+    real = direct.execute
+
+    def counted(conn: Any, prepared: Any, args: Any) -> Any:
+        claims.append(prepared)
+        return real(conn, prepared, args)
+
+    monkeypatch.setattr(direct, "execute", counted)
+    holders = [_lock_group(pg_broker, g) for g in (a, b)]
+    try:
+        with pg_broker.transaction() as tx:
+            assert tx.receive("idle_q", top=10) == []
+        assert len(claims) == 1, f"{len(claims)} claims for one empty RECEIVE"
+    finally:
+        for h in holders:
+            h.rollback()
+            h.close()
+    with pg_broker.transaction() as tx:
+        assert len(tx.receive("idle_q", top=1_000)) == 100

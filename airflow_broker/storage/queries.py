@@ -340,8 +340,14 @@ def lock_group_statement(
 
 @cache
 def ready_exists_statement(*, by_handle: bool = False, by_group: bool = False) -> TextClause:
-    """Whether ready messages exist (for RECEIVE's retry after an empty claim, see below)."""
-    where = f"m.queue_id = :queue_id AND m.status = 1 AND {_FREE_M}"
+    """PostgreSQL: whether RECEIVE should run an empty claim again (see below): ready messages
+    exist, and the claim may have locked a group (this transaction has a transaction id; a
+    claim that locked nothing assigns none, and then it found every group with ready messages
+    locked by other readers, which trying again at once would only find again)."""
+    where = (
+        "txid_current_if_assigned() IS NOT NULL "
+        f"AND m.queue_id = :queue_id AND m.status = 1 AND {_FREE_M}"
+    )
     if by_handle:
         where += " AND m.conversation_handle = :handle"
     if by_group:
@@ -356,5 +362,6 @@ def ready_exists_statement(*, by_handle: bool = False, by_group: bool = False) -
 #: On PostgreSQL a claim can come back empty although ready messages exist in an unlocked group:
 #: another reader committed between this statement's snapshot and its lock on the group, so the
 #: group it locked holds only messages that are already gone. A new statement has a new snapshot;
-#: RECEIVE runs the claim again, at most this many times in all, while ready messages exist.
+#: RECEIVE runs the claim again, at most this many times in all, while ready messages exist and
+#: the claim may have locked a group (:func:`ready_exists_statement`).
 CLAIM_ATTEMPTS = 4
