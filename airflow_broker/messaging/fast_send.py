@@ -243,6 +243,10 @@ SEND_MANY_PG = text(
     "CAST(:now AS timestamptz), CAST(:row_lock AS boolean))"
 )
 
+#: The bound names of :data:`SEND_ONE_PG` and :data:`SEND_MANY_PG` after the handle(s), in the
+#: order of the direct statements' arguments below.
+SEND_PARAMS = ("message_type", "precedence", "validation", "body", "now", "row_lock")
+
 #: :data:`SEND_ONE_PG` and :data:`SEND_MANY_PG` prepared for :mod:`airflow_broker.storage.direct`
 #: (one round trip, BEGIN included): arguments handle(s), message type, precedence, validation,
 #: body, now, row_lock.

@@ -46,6 +46,7 @@ from airflow_broker.messaging.fast_send import (
     SEND_MANY_PG,
     SEND_ONE_DIRECT,
     SEND_ONE_PG,
+    SEND_PARAMS,
     endpoint_statement,
     far_endpoints_unchanged,
     on_fast_path,
@@ -410,30 +411,29 @@ class Transaction(Receiving, Ending):
         row_lock = len(in_memory) > ADVISORY_BUDGET
         if not row_lock:
             self._advisory_locked = in_memory
-        code = VALIDATION_CODES[validation]
         single = len(handles) == 1
+        target: Any = handles[0] if single else handles
+        args = [
+            message_type,
+            precedence(message_type),
+            VALIDATION_CODES[validation],
+            payload,
+            now,
+            row_lock,
+        ]
+        rows: Sequence[Any]
         if payload is None or len(payload) <= direct.MAX_LITERAL_BODY:
             # One round trip, BEGIN included (storage.direct).
             self._check_open()
-            args = [message_type, precedence(message_type), code, payload, now, row_lock]
-            if single:
-                rows = direct.execute(self.connection, SEND_ONE_DIRECT, [handles[0], *args])
-                return handles if rows[0][0] is None else []
-            rows = direct.execute(self.connection, SEND_MANY_DIRECT, [handles, *args])
-            sent = {r[0] for r in rows}
-        else:
-            params = {
-                "now": now,
-                "message_type": message_type,
-                "precedence": precedence(message_type),
-                "validation": code,
-                "body": payload,
-                "row_lock": row_lock,
-            }
-            if single:
-                seq = self._execute(SEND_ONE_PG, {**params, "handle": handles[0]}).scalar()
-                return handles if seq is None else []
-            sent = set(self._execute(SEND_MANY_PG, {**params, "handles": handles}).scalars())
+            statement = SEND_ONE_DIRECT if single else SEND_MANY_DIRECT
+            rows = direct.execute(self.connection, statement, [target, *args])
+        else:  # a large body goes binary, through SQLAlchemy
+            params = dict(zip(SEND_PARAMS, args, strict=True))
+            params["handle" if single else "handles"] = target
+            rows = self._execute(SEND_ONE_PG if single else SEND_MANY_PG, params).all()
+        if single:  # broker_send_one: the sequence number sent, NULL when it wrote nothing
+            return handles if rows[0][0] is None else []
+        sent = {r[0] for r in rows}
         if sent:
             self._dirty = True
         return [h for h in handles if h not in sent]

@@ -232,7 +232,7 @@ def _raise(conn: Connection, raw: Any, query: bytes, result: PGresult) -> None:
     from psycopg import errors
 
     error = errors.error_from_result(result, encoding=raw.info.encoding)
-    lost = raw.pgconn.status != _OK
+    lost = raw.pgconn.status != CONNECTION_OK
     if lost:
         conn.invalidate(error)
     raise DBAPIError.instance(
@@ -245,22 +245,32 @@ def _roundtrip(pgconn: Any, query: bytes) -> list[PGresult]:
     from psycopg import OperationalError
 
     pgconn.send_query(query)
-    fileno = pgconn.socket
-    while pgconn.flush():  # 1: more to send; read what arrives meanwhile, or libpq may stall
-        readable, _, _ = select.select([fileno], [fileno], [])
-        if readable:
-            pgconn.consume_input()
+    flush(pgconn)
     results: list[PGresult] = []
     while True:
-        while pgconn.is_busy():
-            select.select([fileno], [], [])
-            pgconn.consume_input()
+        wait_ready(pgconn)
         result = pgconn.get_result()
         if result is None:
-            if pgconn.status != _OK:
+            if pgconn.status != CONNECTION_OK:
                 raise OperationalError(pgconn.get_error_message())
             return results
         results.append(result)
+
+
+def flush(pgconn: Any) -> None:
+    """Push what libpq buffered into the socket (a non-blocking connection's ``flush`` returns 1
+    while there is more to send; what the server sends meanwhile is read, or libpq may stall)."""
+    while pgconn.flush():
+        readable, _, _ = select.select([pgconn.socket], [pgconn.socket], [])
+        if readable:
+            pgconn.consume_input()
+
+
+def wait_ready(pgconn: Any) -> None:
+    """Read from the socket until libpq holds the next result (or the end of a query's)."""
+    while pgconn.is_busy():
+        select.select([pgconn.socket], [], [])
+        pgconn.consume_input()
 
 
 def _clock() -> float:
@@ -271,8 +281,20 @@ def _clock() -> float:
 # PGRES_COMMAND_OK and PGRES_TUPLES_OK. Spelled here so that importing this module needs no psycopg.
 _IDLE = 0
 _INTRANS = 2
-_OK = 0
-_SUCCESS = (1, 2)
+CONNECTION_OK = 0
+COMMAND_OK = 1
+_SUCCESS = (COMMAND_OK, 2)
 
 
-__all__ = ["MAX_LITERAL_BODY", "Prepared", "commit", "execute", "literal", "observer"]
+__all__ = [
+    "COMMAND_OK",
+    "CONNECTION_OK",
+    "MAX_LITERAL_BODY",
+    "Prepared",
+    "commit",
+    "execute",
+    "flush",
+    "literal",
+    "observer",
+    "wait_ready",
+]

@@ -152,8 +152,7 @@ def _group_picker(dialect: str, *, by_handle: bool, by_group: bool) -> str:
         oldest = (
             "SELECT l.conversation_group_id FROM (SELECT m.conversation_group_id "
             "FROM broker_message m WHERE m.queue_id = :queue_id AND m.status = 1 "
-            f"ORDER BY m.priority DESC, m.queuing_order LIMIT {FIRST_LOOK}) c {lock_free} "
-            f"WHERE {_ENABLED} LIMIT 1"
+            f"ORDER BY m.priority DESC, m.queuing_order LIMIT {FIRST_LOOK}) c {lock_free} LIMIT 1"
         )
         next_group = (
             "SELECT m.conversation_group_id FROM broker_message m "
@@ -166,9 +165,13 @@ def _group_picker(dialect: str, *, by_handle: bool, by_group: bool) -> str:
             f"(({next_group.format(after='')}) UNION ALL "
             f"SELECT ({next_group.format(after=after)}) "
             "FROM c WHERE c.conversation_group_id IS NOT NULL) "
-            f"SELECT l.conversation_group_id FROM c {lock_free} WHERE {_ENABLED} LIMIT 1"
+            f"SELECT l.conversation_group_id FROM c {lock_free} LIMIT 1"
         )
-        return f"SELECT conversation_group_id FROM (({oldest}) UNION ALL ({walk})) p LIMIT 1"
+        # The queue's check is a one-time filter: a disabled queue runs neither part.
+        return (
+            f"SELECT conversation_group_id FROM (({oldest}) UNION ALL ({walk})) p "
+            f"WHERE {_ENABLED} LIMIT 1"
+        )
     return (
         "SELECT m.conversation_group_id FROM broker_message m "
         f"WHERE m.queue_id = :queue_id AND m.status = 1 AND {_FREE_M} AND {_ENABLED} "

@@ -21,16 +21,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import threading
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-log = logging.getLogger(__name__)
+from airflow_broker.storage.direct import COMMAND_OK, CONNECTION_OK, flush, wait_ready
 
-#: libpq's PGRES_COMMAND_OK (psycopg.pq.ExecStatus mirrors it).
-_COMMAND_OK = 1
+log = logging.getLogger(__name__)
 
 
 def _text(value: Any) -> bytes | None:
@@ -79,7 +77,7 @@ class SideWriter:
                     if name is None:
                         name = self._prepare(conn, sql)
                     conn.pgconn.send_query_prepared(name, values)
-                    _flush(conn.pgconn)
+                    flush(conn.pgconn)
                     self._pending += 1
                     return
                 except Exception as exc:
@@ -127,7 +125,7 @@ class SideWriter:
         """Prepare ``sql`` on ``conn`` (nothing is pending: the caller drained it)."""
         name = f"broker_side_{len(self._prepared)}".encode()
         result = conn.pgconn.prepare(name, sql.encode())
-        if result.status != _COMMAND_OK:
+        if result.status != COMMAND_OK:
             message = (result.error_message or b"").decode(errors="replace").strip()
             raise ConnectionError(f"cannot prepare {sql!r}: {message}")
         self._prepared[sql] = name
@@ -137,16 +135,14 @@ class SideWriter:
         """Read the answer of every statement sent; log the ones the server refused."""
         pgconn = conn.pgconn
         while self._pending:
-            while pgconn.is_busy():
-                select.select([pgconn.socket], [], [])
-                pgconn.consume_input()
+            wait_ready(pgconn)
             result = pgconn.get_result()
             if result is None:  # the end of one statement's answers
                 self._pending -= 1
-                if pgconn.status != 0:  # CONNECTION_OK
+                if pgconn.status != CONNECTION_OK:
                     raise ConnectionError(pgconn.get_error_message().decode(errors="replace"))
                 continue
-            if result.status != _COMMAND_OK:
+            if result.status != COMMAND_OK:
                 message = (result.error_message or b"").decode(errors="replace").strip()
                 log.error("a write outside the transaction failed: %s", message)
             elif result.command_status == b"INSERT 0 0":
@@ -162,14 +158,6 @@ class SideWriter:
             return
         with contextlib.suppress(Exception):
             conn.close()
-
-
-def _flush(pgconn: Any) -> None:
-    """Push what libpq buffered into the socket (the connection is non-blocking)."""
-    while pgconn.flush():
-        readable, _, _ = select.select([pgconn.socket], [pgconn.socket], [])
-        if readable:
-            pgconn.consume_input()
 
 
 __all__ = ["SideWriter"]
