@@ -21,6 +21,7 @@ from helpers import (
     bodies,
     declare_pair,
     drain,
+    open_order,
     queue_rows,
     receive,
     send,
@@ -28,6 +29,7 @@ from helpers import (
 
 from airflow_broker import (
     END_DIALOG,
+    ERROR,
     Broker,
     QueueDisabled,
     UnknownObject,
@@ -87,6 +89,52 @@ def test_top_limits_the_count(broker: Broker) -> None:
     assert bodies(receive(broker, SUPPLIER_QUEUE, top=2)) == [b"1", b"2"]
     assert bodies(receive(broker, SUPPLIER_QUEUE, top=10)) == [b"3", b"4", b"5"]
     assert receive(broker, SUPPLIER_QUEUE, top=10) == []
+
+
+def one_group_of_two(broker: Broker) -> tuple[uuid.UUID, uuid.UUID, uuid.UUID, uuid.UUID]:
+    """Two dialogs whose target endpoints share one group on the supplier: returns (initiator,
+    target) handles of the dialog whose target handle sorts *last*, then of the other one."""
+    pairs = sorted((open_order(broker), open_order(broker)), key=lambda p: p[1])
+    (lo_init, lo_target), (hi_init, hi_target) = pairs
+    with broker.transaction() as tx:
+        tx.move_conversation(hi_target, tx.conversation(lo_target).conversation_group_id)
+    return hi_init, hi_target, lo_init, lo_target
+
+
+def test_top_starts_with_the_conversation_of_the_oldest_message(broker: Broker) -> None:
+    """In a group of several conversations, RECEIVE TOP (n) takes them in the order their
+    messages came, not in the order of their handles: the conversation whose handle sorts last
+    sent first, so it is received first."""
+    late_init, late_target, early_init, early_target = one_group_of_two(broker)
+    send(broker, late_init, NOTE, b"late-1", b"late-2")
+    send(broker, early_init, NOTE, b"early-1", b"early-2")
+    send(broker, late_init, NOTE, b"late-3")
+    got = [bodies(receive(broker, SUPPLIER_QUEUE, top=2)) for _ in range(3)]
+    assert got == [[b"late-1", b"late-2"], [b"early-1", b"early-2"], [b"late-3"]]
+    # Taken whole, the group comes out in its order: each conversation in sequence order, by
+    # handle (as before).
+    send(broker, late_init, NOTE, b"late-4")
+    send(broker, early_init, NOTE, b"early-3")
+    both = receive(broker, SUPPLIER_QUEUE, top=10)
+    assert bodies(both) == [b"early-3", b"late-4"]
+    assert [m.conversation_handle for m in both] == [early_target, late_target]
+
+
+def test_top_across_conversations_keeps_each_in_order_and_errors_first(broker: Broker) -> None:
+    """The oldest conversation goes first, but an Error of another conversation in the group
+    still comes before every normal message, and every conversation stays in sequence order."""
+    late_init, late_target, early_init, early_target = one_group_of_two(broker)
+    send(broker, late_init, NOTE, b"late-1", b"late-2", b"late-3")
+    send(broker, early_init, NOTE, b"early-1")
+    with broker.transaction() as tx:
+        tx.end_conversation(early_init, error_code=50, error_description="cancelled")
+    first = receive(broker, SUPPLIER_QUEUE, top=2)
+    assert [m.message_type_name for m in first] == [ERROR, NOTE]
+    assert first[0].conversation_handle == early_target
+    assert (first[1].conversation_handle, first[1].message_body) == (late_target, b"late-1")
+    rest = receive(broker, SUPPLIER_QUEUE, top=3)
+    assert bodies(rest) == [b"early-1", b"late-2", b"late-3"]
+    assert receive(broker, SUPPLIER_QUEUE) == []
 
 
 def test_rollback_puts_messages_back(broker: Broker) -> None:
