@@ -69,6 +69,8 @@ _examples = itertools.count()
 #: longer than all the timer and backoff steps of an example together: lifetimes pass only when
 #: the machine says so
 LIFETIME = 100_000
+#: RECEIVE's TOP: all of the group, or the first few (it may cut a conversation short)
+TOPS = st.sampled_from([None, 1, 2, 3])
 
 
 class _Rollback(Exception):
@@ -200,6 +202,7 @@ class BrokerMachine(RuleBasedStateMachine):
                     queue,
                     handle=how.get("conversation_handle"),
                     group=how.get("conversation_group"),
+                    top=how.get("top"),
                 )
             )
             return model_taken
@@ -222,21 +225,21 @@ class BrokerMachine(RuleBasedStateMachine):
             if model_taken:
                 self.model.received(queue, model_taken, committed=commit)
 
-    @rule(side=st.booleans(), commit=st.booleans())
-    def receive_queue(self, side: bool, commit: bool) -> None:
-        self._receive(self.bq if side else self.sq, commit)
+    @rule(side=st.booleans(), commit=st.booleans(), top=TOPS)
+    def receive_queue(self, side: bool, commit: bool, top: int | None) -> None:
+        self._receive(self.bq if side else self.sq, commit, top=top)
 
-    @rule(h=st.one_of(initiators, targets), commit=st.booleans())
-    def receive_conversation(self, h: uuid.UUID, commit: bool) -> None:
+    @rule(h=st.one_of(initiators, targets), commit=st.booleans(), top=TOPS)
+    def receive_conversation(self, h: uuid.UUID, commit: bool, top: int | None) -> None:
         ep = self.model.endpoints.get(h)
         queue = ep.queue if ep is not None else self.sq
-        self._receive(queue, commit, conversation_handle=h)
+        self._receive(queue, commit, conversation_handle=h, top=top)
 
-    @rule(h=targets)
-    def receive_group(self, h: uuid.UUID) -> None:
+    @rule(h=targets, top=TOPS)
+    def receive_group(self, h: uuid.UUID, top: int | None) -> None:
         ep = self.model.endpoints.get(h)
         if ep is not None:
-            self._receive(ep.queue, True, conversation_group=ep.group)
+            self._receive(ep.queue, True, conversation_group=ep.group, top=top)
 
     @rule(h=st.one_of(initiators, targets), how=st.sampled_from(["plain", "error", "cleanup"]))
     def end(self, h: uuid.UUID, how: str) -> None:

@@ -9,7 +9,8 @@ from Service Broker's semantics as the seeds and DESIGN.md state them:
   sends from 0.
 - RECEIVE takes the ready messages of one conversation group: by queue, the group of the oldest
   ready message; returned by (precedence, conversation, sequence): DialogTimer, then Error, then
-  the rest in order.
+  the rest in order. TOP (n) takes the first n of them in that order, except that by queue the
+  conversation of the oldest ready message goes before the group's other conversations.
 - END: messages still queued for the ending side go with it. Plain END sends EndDialog (the far
   side goes DI) and waits (DO), unless the far side already ended or never heard of the dialog
   (then CD, and a far DO becomes CD too). WITH ERROR closes at once (CD) and sends Error (the far
@@ -201,7 +202,9 @@ class Model:
                     break
 
     # -- RECEIVE ------------------------------------------------------------------------------
-    def receive(self, queue: str, *, handle: Any = None, group: Any = None) -> list[Msg]:
+    def receive(
+        self, queue: str, *, handle: Any = None, group: Any = None, top: int | None = None
+    ) -> list[Msg]:
         q = self.queues[queue]
         ready = q.messages
         if handle is not None:
@@ -220,6 +223,20 @@ class Model:
             raise Refused("QueueDisabled")
         g = self.endpoints[ready[0].handle].group
         taken = [m for m in ready if self.endpoints[m.handle].group == g]
+        if top is not None:
+            # TOP (n): system messages of the group first, then the conversation of the oldest
+            # ready message (the one that chose the group, by queue only), then the others by
+            # handle; each conversation in sequence order.
+            first = ready[0].handle if handle is None and group is None else None
+            taken = sorted(
+                taken,
+                key=lambda m: (
+                    m.precedence,
+                    not (m.handle == first and m.precedence == 2),
+                    str(m.handle),
+                    m.seq or 0,
+                ),
+            )[:top]
         q.messages = [m for m in q.messages if m not in taken]
         return sorted(taken, key=lambda m: (m.precedence, str(m.handle), m.seq or 0))
 
