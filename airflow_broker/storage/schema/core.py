@@ -233,9 +233,7 @@ conversation_endpoint = Table(
         postgresql_where=text("lifetime IS NOT NULL AND state NOT IN ('ER', 'CD')"),
         sqlite_where=text("lifetime IS NOT NULL AND state NOT IN ('ER', 'CD')"),
     ),
-    # Room on each page for the next version of its rows: every SEND updates its endpoint
-    # (migration 0019).
-    postgresql_with={"fillfactor": 50},
+    postgresql_with={"fillfactor": 50},  # room for every SEND's new version (migration 0019)
 )
 
 message = Table(
