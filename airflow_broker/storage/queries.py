@@ -104,13 +104,11 @@ FIRST_LOOK = 32
 
 def _group_picker(dialect: str, *, by_handle: bool, by_group: bool, first: bool = False) -> str:
     """The statement that locks the group a claim takes from: its ``conversation_group_id``,
-    and with ``first`` also ``first_handle`` and ``first_priority``, the conversation and
-    priority of the oldest ready message that chose the group (NULL when no message chose it:
-    a filtered claim, or PostgreSQL's walk past the oldest messages; see :func:`_claim_sql`)."""
+    and with ``first`` (unfiltered claims only) also the conversation and priority of the oldest
+    ready message, the one that chose the group (NULL when PostgreSQL's walk past the oldest
+    messages chose it; see :func:`_picked`)."""
     pg = dialect == "postgresql"
     lock_g = "FOR NO KEY UPDATE OF g SKIP LOCKED" if pg else ""
-    no_first = ", CAST(NULL AS uuid), CAST(NULL AS smallint)" if pg else ", NULL, NULL"
-    no_first = no_first if first else ""
     if by_handle:
         join = (
             "JOIN broker_conversation_group g ON g.conversation_group_id = e.conversation_group_id"
@@ -124,14 +122,14 @@ def _group_picker(dialect: str, *, by_handle: bool, by_group: bool, first: bool 
                 "ON gg.conversation_group_id = e.conversation_group_id"
             )
         return (
-            f"SELECT e.conversation_group_id{no_first} FROM broker_conversation_endpoint e "
+            "SELECT e.conversation_group_id FROM broker_conversation_endpoint e "
             f"{join} WHERE e.conversation_handle = :handle AND e.queue_id = :queue_id "
             f"AND {free} AND {_ENABLED} {lock_g}"
         )
     if by_group:
         lock = "FOR NO KEY UPDATE SKIP LOCKED" if pg else ""
         return (
-            f"SELECT g.conversation_group_id{no_first} FROM broker_conversation_group g "
+            "SELECT g.conversation_group_id FROM broker_conversation_group g "
             f"WHERE g.conversation_group_id = :group_id AND g.queue_id = :queue_id "
             f"AND {_FREE} AND {_ENABLED} {lock}"
         )
@@ -157,6 +155,7 @@ def _group_picker(dialect: str, *, by_handle: bool, by_group: bool, first: bool 
             "FOR NO KEY UPDATE SKIP LOCKED) l"
         )
         chosen_by = ", c.conversation_handle, c.priority" if first else ""
+        no_first = ", CAST(NULL AS uuid), CAST(NULL AS smallint)" if first else ""
         oldest = (
             f"SELECT l.conversation_group_id{chosen_by} FROM (SELECT m.conversation_group_id, "
             "m.conversation_handle, m.priority "
@@ -312,7 +311,7 @@ def _claim_sql(
     return sql
 
 
-#: The ready messages of the claimed group: a claim takes them in the order of the first rows.
+#: The FROM and WHERE of every pick: the claimed group's ready messages that no lease holds.
 _GROUP_ROWS = (
     "FROM broker_message m WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) "
     "AND m.queue_id = :queue_id AND m.status = 1 AND m.lease_token IS NULL"
@@ -342,9 +341,9 @@ def _picked(dialect: str, top: int | None, by_handle: bool, by_group: bool) -> s
     that range step over all of its messages when its handle sorts first (measured: 2.3 ms for
     3,000 of them).
     """
-    if top is None or by_handle:
-        # All of the group's messages (the order of the output is sorted apart), or one
-        # conversation's.
+    if top is None or by_handle or by_group:
+        # All of the group's messages (the order of the output is sorted apart), one
+        # conversation's, or a named group's (no message chose it).
         handle_filter = " AND m.conversation_handle = :handle" if by_handle else ""
         picker = _group_picker(dialect, by_handle=by_handle, by_group=by_group)
         return (
@@ -352,7 +351,7 @@ def _picked(dialect: str, top: int | None, by_handle: bool, by_group: bool) -> s
             f"picked AS (SELECT m.queuing_order {_GROUP_ROWS}{handle_filter} "
             f"ORDER BY {GROUP_ORDER}{_limit(top)})"
         )
-    picker = _group_picker(dialect, by_handle=False, by_group=by_group, first=True)
+    picker = _group_picker(dialect, by_handle=False, by_group=False, first=True)
     cols = "queuing_order, priority, precedence, conversation_handle, message_sequence_number"
     m_cols = ", ".join(f"m.{c}" for c in cols.split(", "))
     first_rows = (
