@@ -137,6 +137,46 @@ def test_top_across_conversations_keeps_each_in_order_and_errors_first(broker: B
     assert receive(broker, SUPPLIER_QUEUE) == []
 
 
+def test_top_in_a_group_of_several_priorities(broker: Broker) -> None:
+    """A group whose conversations have different priorities: RECEIVE TOP (n) takes the highest
+    priority first, then the rest of the group in its order (priority, then handle), and a cut
+    never takes a conversation's later message before its earlier one."""
+    rush = "//po/RushContract"
+    broker.create_contract(rush, {ORDER: "initiator", INVOICE: "target", NOTE: "any"})
+    broker.create_service("//po/RushSupplier", queue=SUPPLIER_QUEUE, contracts=[rush])
+    broker.create_priority("rush_orders", contract=rush, priority=9)
+    broker.create_priority("slow_orders", contract=CONTRACT, priority=2)
+    slow = [open_order(broker) for _ in range(2)]
+    with broker.transaction() as tx:
+        rush_init = tx.begin_dialog(BUYER, "//po/RushSupplier", contract=rush)
+        tx.send(rush_init, message_type=ORDER, body=b'{"order": 2}')
+    [order] = receive(broker, SUPPLIER_QUEUE)
+    rush_target = order.conversation_handle
+    with broker.transaction() as tx:
+        group = tx.conversation(rush_target).conversation_group_id
+        for _, target in slow:
+            tx.move_conversation(target, group)
+    (a_init, a_target), (b_init, b_target) = slow
+    # Oldest first: the slow conversation A, then the rush one, then B.
+    send(broker, a_init, NOTE, b"a-1", b"a-2")
+    send(broker, rush_init, NOTE, b"rush-1", b"rush-2")
+    send(broker, b_init, NOTE, b"b-1")
+    by_handle = {a_target: [b"a-1", b"a-2"], b_target: [b"b-1"]}
+    first_slow, second_slow = sorted(by_handle)
+
+    got = receive(broker, SUPPLIER_QUEUE, top=3)
+    assert [(m.priority, m.message_body) for m in got] == [
+        (9, b"rush-1"),
+        (9, b"rush-2"),
+        (2, by_handle[first_slow][0]),
+    ]
+    # What is left is taken by age again: the conversation of the oldest message first.
+    rest = [m.message_body for m in receive(broker, SUPPLIER_QUEUE, top=10)]
+    left = {h: bodies_[1:] if h == first_slow else bodies_ for h, bodies_ in by_handle.items()}
+    assert rest == left[first_slow] + left[second_slow]
+    assert receive(broker, SUPPLIER_QUEUE) == []
+
+
 def test_rollback_puts_messages_back(broker: Broker) -> None:
     h = begin(broker)
     send(broker, h, NOTE, b"1", b"2")

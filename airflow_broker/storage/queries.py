@@ -338,17 +338,23 @@ def _picked(dialect: str, top: int | None, by_handle: bool, by_group: bool) -> s
     sequence order. What the claim takes is the first ``top`` of the group's ready messages in
     :data:`GROUP_ORDER`, except that the first conversation's normal messages go before the
     other conversations' normal messages of the same priority (system messages of every
-    conversation still come first, as always). That order is cut into six disjoint index ranges
+    conversation still come first, as always). That order is read from four disjoint ranges
     of the group index, each in GROUP_ORDER and read no further than ``top``: higher
-    priorities; the first conversation's priority, system messages; its normal messages; the
-    normal messages of the handles before it; of the handles after it; lower priorities.
-    Appended in that order under one ``LIMIT``, a range runs only while the ones before it have
-    not filled the claim (a statement that locks rows is never planned in parallel, so the
-    Append runs its parts in order): when the first conversation has ``top`` messages waiting,
-    as in a busy queue, no other range reads a row. Merging two overlapping ranges instead (the
-    first conversation's, and the whole group's) read twice the rows and sorted them; leaving
-    the first conversation out of one whole-group range by a filter made that range step over
-    all of its messages when its handle sorts first (measured: 2.3 ms for 3,000 of them).
+    priorities; the first conversation's priority, system messages; its normal messages; and
+    the rest of that priority with the lower ones. Appended in that order under one ``LIMIT``,
+    a range runs only while the ones before it have not filled the claim (a statement that
+    locks rows is never planned in parallel, so the Append runs its parts in order): when the
+    first conversation has ``top`` messages waiting, as in a busy queue, no other range reads a
+    row. The last range steps over what the two before it took, by a filter; it runs only when
+    they took fewer than ``top``, so that is never more than ``top`` entries.
+
+    Measured on PostgreSQL (a claim and its round trip, 10,000 messages in 4 groups of 25
+    conversations): TOP (100) 1.99 ms against 2.45 ms for the merge of two overlapping ranges
+    this replaces (the first conversation's, and the whole group's, each read up to ``top``,
+    then grouped to count a message found by both once, and sorted); TOP (1) the same, 0.57
+    against 0.59 ms. Leaving the first conversation out of one whole-group range that always
+    runs would step over all of its messages when its handle sorts first (2.3 ms for 3,000 of
+    them).
     """
     if top is None or by_handle or by_group:
         # All of the group's messages (the order of the output is sorted apart), one
@@ -361,28 +367,40 @@ def _picked(dialect: str, top: int | None, by_handle: bool, by_group: bool) -> s
             f"ORDER BY {GROUP_ORDER}{_limit(top)})"
         )
     picker = _group_picker(dialect, by_handle=False, by_group=False, first=True)
-    # No first conversation (the walk chose the group): a priority above every message's puts
-    # the whole group in the last range.
-    fp = f"COALESCE((SELECT first_priority FROM grp), {_ABOVE_PRIORITIES})"
-    fh = "(SELECT first_handle FROM grp)"
-    normal = f"m.priority = {fp} AND m.precedence = {PRECEDENCE_NORMAL}"
+    pg = dialect == "postgresql"
+
+    def grp(name: str) -> str:
+        # PostgreSQL joins the one row of grp LATERAL (one CTE scan for all three ranges);
+        # SQLite has no LATERAL and reads it by scalar subqueries.
+        return f"grp.{name}" if pg else f"(SELECT {name} FROM grp)"
+
+    # No first conversation (the walk chose the group): a priority above every message's makes
+    # the first three ranges empty and the last the whole group. The first range is empty too
+    # when the oldest message chose the group (it is the group's highest priority); it is read
+    # all the same, one index descent, so that no message is passed over if that ever changes.
+    fp = f"COALESCE({grp('first_priority')}, {_ABOVE_PRIORITIES})"
+    first = f"m.conversation_handle = {grp('first_handle')}"
     ranges = (
         f"m.priority > {fp}",
         f"m.priority = {fp} AND m.precedence < {PRECEDENCE_NORMAL}",
-        f"{normal} AND m.conversation_handle = {fh}",
-        f"{normal} AND m.conversation_handle < {fh}",
-        f"{normal} AND m.conversation_handle > {fh}",
-        f"m.priority < {fp}",
+        f"m.priority = {fp} AND m.precedence = {PRECEDENCE_NORMAL} AND {first}",
+        f"m.priority <= {fp} "
+        f"AND NOT (m.priority = {fp} AND (m.precedence < {PRECEDENCE_NORMAL} OR {first}))",
+    )
+    rows = (
+        f"FROM broker_message m WHERE m.conversation_group_id = {grp('conversation_group_id')} "
+        "AND m.queue_id = :queue_id AND m.status = 1 AND m.lease_token IS NULL"
     )
     union = " UNION ALL ".join(
-        f"SELECT * FROM (SELECT m.queuing_order {_GROUP_ROWS} AND {where} "
+        f"SELECT * FROM (SELECT m.queuing_order {rows} AND {where} "
         f"ORDER BY {GROUP_ORDER}{_limit(top)}) r{i}"
         for i, where in enumerate(ranges)
     )
+    source = f"grp CROSS JOIN LATERAL ({union}) u" if pg else f"({union}) u"
     return (
         "WITH grp (conversation_group_id, first_handle, first_priority) AS "
         f"({picker}), "
-        f"picked AS (SELECT queuing_order FROM ({union}) u{_limit(top)})"
+        f"picked AS (SELECT u.queuing_order FROM {source}{_limit(top)})"
     )
 
 
