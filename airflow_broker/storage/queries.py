@@ -313,11 +313,16 @@ def _claim_sql(
     return sql
 
 
-#: The FROM and WHERE of every pick: the claimed group's ready messages that no lease holds.
-_GROUP_ROWS = (
-    "FROM broker_message m WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) "
-    "AND m.queue_id = :queue_id AND m.status = 1 AND m.lease_token IS NULL"
-)
+def _group_rows(group_id: str) -> str:
+    """The FROM and WHERE of every pick: the claimed group's (``group_id``, an expression) ready
+    messages that no lease holds."""
+    return (
+        f"FROM broker_message m WHERE m.conversation_group_id = {group_id} "
+        "AND m.queue_id = :queue_id AND m.status = 1 AND m.lease_token IS NULL"
+    )
+
+
+_GROUP_ROWS = _group_rows("(SELECT conversation_group_id FROM grp)")
 
 
 def _picked(dialect: str, top: int | None, by_handle: bool, by_group: bool) -> str:
@@ -370,7 +375,7 @@ def _picked(dialect: str, top: int | None, by_handle: bool, by_group: bool) -> s
     pg = dialect == "postgresql"
 
     def grp(name: str) -> str:
-        # PostgreSQL joins the one row of grp LATERAL (one CTE scan for all three ranges);
+        # PostgreSQL joins the one row of grp LATERAL (one CTE scan for all four ranges);
         # SQLite has no LATERAL and reads it by scalar subqueries.
         return f"grp.{name}" if pg else f"(SELECT {name} FROM grp)"
 
@@ -387,10 +392,7 @@ def _picked(dialect: str, top: int | None, by_handle: bool, by_group: bool) -> s
         f"m.priority <= {fp} "
         f"AND NOT (m.priority = {fp} AND (m.precedence < {PRECEDENCE_NORMAL} OR {first}))",
     )
-    rows = (
-        f"FROM broker_message m WHERE m.conversation_group_id = {grp('conversation_group_id')} "
-        "AND m.queue_id = :queue_id AND m.status = 1 AND m.lease_token IS NULL"
-    )
+    rows = _group_rows(grp("conversation_group_id"))
     union = " UNION ALL ".join(
         f"SELECT * FROM (SELECT m.queuing_order {rows} AND {where} "
         f"ORDER BY {GROUP_ORDER}{_limit(top)}) r{i}"
