@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,20 @@ class AirflowStack:
         self.airflow("db", "migrate", timeout=300)
         for name in components:
             self.start_component(name)
+        if {"api-server", "standalone"} & set(components):
+            self.wait_for_api()
+
+    def wait_for_api(self, timeout: float = 180) -> None:
+        """Wait until the API server answers. A task started before it does fails without
+        running: the Task SDK gives up on the execution API after a few seconds (seen on a
+        loaded machine, whose API server took ten seconds to come up)."""
+
+        def healthy() -> bool:
+            url = f"http://127.0.0.1:{self.port}/api/v2/monitor/health"
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                return bool(answer.status == 200)
+
+        self.wait_for("the API server to answer", healthy, timeout=timeout)
 
     def start_component(self, name: str) -> None:
         """Start ``airflow <name>``: one of :data:`COMPONENTS`, or ``standalone`` (all four in
