@@ -32,7 +32,7 @@ from bench._scratch import Database
 from bench._systems import SetupState, Workload, payload
 
 if TYPE_CHECKING:
-    from airflow_broker import Broker
+    from airflow_broker import Broker, Transaction
 
 INITIATOR_QUEUE = "bench_initiator_q"
 TARGET_QUEUE = "bench_target_q"
@@ -72,19 +72,41 @@ class BrokerProducer:
 
 
 class BrokerConsumer:
-    """``with broker.transaction() as tx: tx.receive(queue, top=batch)``."""
+    """A reader's loop, as ``drain()`` runs it: ``tx.receive(queue, top=batch)``, then
+    ``tx.commit_and_receive(...)`` for each next transaction (its COMMIT and the next RECEIVE
+    in one round trip)."""
 
     def __init__(self, db: Database, batch: int) -> None:
         self.broker = _connect(db)
         self.batch = batch
+        #: the open transaction and what it holds (received, not yet committed)
+        self.tx: Transaction | None = None
+        self.held = 0
 
     def receive(self) -> int:
-        """One RECEIVE TOP (batch) and its commit."""
-        with self.broker.transaction() as tx:
-            return len(tx.receive(TARGET_QUEUE, top=self.batch))
+        """Commit one RECEIVE TOP (batch) and return how many messages it took (0: the queue
+        was empty); the next RECEIVE is already made, in a transaction left open while it
+        holds messages."""
+        if self.tx is None:
+            self.tx = self.broker.transaction()
+            self.held = len(self.tx.receive(TARGET_QUEUE, top=self.batch))
+        done = self.held
+        if not done:
+            self.tx.commit()
+            self.tx = None
+            return 0
+        self.tx, received = self.tx.commit_and_receive(TARGET_QUEUE, top=self.batch)
+        self.held = len(received)
+        if not self.held:  # no transaction (nor its snapshot) left open between rounds
+            self.tx.commit()
+            self.tx = None
+        return done
 
     def close(self) -> None:
-        """Dispose of the engine."""
+        """Roll back what is held (nothing at the end of a round), dispose of the engine."""
+        if self.tx is not None and not self.tx.ended:
+            self.tx.rollback()
+        self.tx = None
         self.broker.dispose()
 
 

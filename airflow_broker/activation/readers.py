@@ -327,17 +327,37 @@ def drain(
     if max_batches is not None and (not isinstance(max_batches, int) or max_batches < 1):
         raise InvalidDefinition(f"max_batches must be a whole number >= 1, not {max_batches!r}")
     batches = messages = 0
-    while max_batches is None or batches < max_batches:
-        if stop is not None and stop.is_set():
-            return DrainReport(batches, messages, False)
-        with Transaction(broker) as tx:
-            received = tx.receive(queue, top=top, wait_seconds=wait_seconds)
-            if received:
-                handler(tx, received)
-        if not received:
-            return DrainReport(batches, messages, True)
-        batches += 1
-        messages += len(received)
-        if committed is not None:
-            committed(len(received))
+    # On PostgreSQL each COMMIT travels with the next RECEIVE (Transaction.commit_and_receive):
+    # tx is then the next transaction, already holding what it received.
+    tx: Transaction | None = None
+    received: list[Message] = []
+    try:
+        while max_batches is None or batches < max_batches:
+            if tx is None:
+                if stop is not None and stop.is_set():
+                    return DrainReport(batches, messages, False)
+                tx = Transaction(broker)
+                received = tx.receive(queue, top=top, wait_seconds=wait_seconds)
+            if not received:
+                tx.commit()
+                tx = None
+                return DrainReport(batches, messages, True)
+            handler(tx, received)
+            last = (max_batches is not None and batches + 1 >= max_batches) or (
+                stop is not None and stop.is_set()
+            )
+            done = len(received)
+            if last:
+                tx.commit()
+                tx, received = None, []
+            else:
+                tx, received = tx.commit_and_receive(queue, top=top, wait_seconds=wait_seconds)
+            batches += 1
+            messages += done
+            if committed is not None:
+                committed(done)
+    except BaseException:
+        if tx is not None and not tx.ended:
+            tx.rollback()
+        raise
     return DrainReport(batches, messages, False)

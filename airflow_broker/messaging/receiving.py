@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 from sqlalchemy import (
     Row,
@@ -56,6 +56,67 @@ class Receiving(TransactionCore):
         :param wait_seconds: wait up to this long for messages (WAITFOR); 0 returns at once.
         """
         q, rows = self._claim(queue, top, conversation_handle, conversation_group, wait_seconds)
+        return self._hold(q, rows)
+
+    def commit_and_receive(
+        self, queue: str, top: int | None = None, *, wait_seconds: float = 0
+    ) -> tuple[Self, list[Message]]:
+        """Commit this transaction, then RECEIVE from ``queue`` in a new one: a reader's loop
+        (:func:`airflow_broker.activation.readers.drain`). Returns the new transaction, which
+        the caller commits or rolls back, and what it received (as :meth:`receive`).
+
+        On PostgreSQL the COMMIT and the next RECEIVE travel in one round trip
+        (``COMMIT; BEGIN; EXECUTE claim``) on the same connection, so a reader that takes one
+        message per transaction waits on the server once per message instead of twice. The
+        next transaction's receive lease is opened after its claim, as in :meth:`receive`. When
+        the claim finds nothing the new transaction RECEIVEs again the usual way (waiting up to
+        ``wait_seconds``, saying whether the queue is disabled).
+
+        If the COMMIT fails, nothing was received and the error is raised, as :meth:`commit`
+        raises it. If the RECEIVE fails, this transaction is committed all the same, the new
+        one is rolled back, and the error is raised.
+        """
+        self._check_open()
+        self._check_owned()
+        b = self.broker
+        pipelined = b.dialect == "postgresql" and b.client_role is None and self._doomed is None
+        if pipelined:
+            nxt = self._successor()
+            nxt._due_step(force=False)  # on PostgreSQL in a transaction of its own
+            q, params, shape = nxt._claim_shape(queue, top, None, None, None)
+            prepared, names = queries.claim_prepared(**shape)
+            pipelined = direct.can_commit_then_execute(self.connection, prepared)
+        if not pipelined:
+            self.commit()
+            nxt = type(self)(b)
+            try:
+                return nxt, nxt.receive(queue, top=top, wait_seconds=wait_seconds)
+            except BaseException:
+                nxt.rollback()
+                raise
+        params["now"] = utcnow()
+        try:
+            rows = direct.commit_then_execute(self.connection, prepared, [params[n] for n in names])
+        except direct.CommittedThenFailed as failed:
+            self._committed(close=False)  # the connection is the successor's
+            nxt._after_rollback()
+            raise failed.error from None
+        except BaseException:
+            self._after_rollback()
+            raise
+        self._committed(close=False)
+        try:
+            if not rows:
+                return nxt, nxt.receive(queue, top=top, wait_seconds=wait_seconds)
+            nxt._dirty = True
+            return nxt, nxt._hold(q, rows)
+        except BaseException:
+            nxt.rollback()
+            raise
+
+    def _hold(self, q: Any, rows: list[Any]) -> list[Message]:
+        """The messages of claimed ``rows`` of queue ``q``, held by this transaction's receive
+        lease (opened here on its first RECEIVE of the queue)."""
         if not rows:
             return []
         if metrics.enabled():
@@ -86,39 +147,10 @@ class Receiving(TransactionCore):
     ) -> tuple[Any, list[Any]]:
         """Lock the next free group of ``queue`` with ready messages and take (or, with
         ``lease_token``, mark) up to ``top`` of them, waiting up to ``wait_seconds``."""
-        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
-            raise InvalidDefinition(f"top must be a whole number >= 1, not {top!r}")
-        if conversation_handle is not None and conversation_group is not None:
-            raise InvalidDefinition("give conversation_handle or conversation_group, not both")
-        self._require_receive(queue)
-        q = self._queue(queue)
-        params: dict[str, Any] = {"queue_id": q.queue_id}
-        if conversation_handle is not None:
-            params["handle"] = as_uuid(conversation_handle, "conversation handle")
-        if conversation_group is not None:
-            params["group_id"] = as_uuid(conversation_group, "conversation group")
-        adapter = self.broker.adapter
-        # PostgreSQL: the claim itself writes the commit marker of this transaction's receive
-        # lease (what tells a rollback or a dead reader from a commit).
-        mark = self.broker.dialect == "postgresql" and lease_token is None
-        if mark:
-            lease = self._leases.get(q.queue_id)
-            if lease is not None:
-                params["lease_key"] = lease.key
-            else:
-                self._lease_key = self._lease_key or adapter.new_lease_key()
-                params["lease_key"] = self._lease_key
-        if lease_token is not None:
-            params["token"] = lease_token
-        by_handle, by_group = conversation_handle is not None, conversation_group is not None
-        shape = {
-            "top": top,
-            "by_handle": by_handle,
-            "by_group": by_group,
-            "retention": q.retention,
-            "mark": mark,
-            "lease": lease_token is not None,
-        }
+        q, params, shape = self._claim_shape(
+            queue, top, conversation_handle, conversation_group, lease_token
+        )
+        by_handle, by_group = shape["by_handle"], shape["by_group"]
         pg = self.broker.dialect == "postgresql"
         if pg:
             # One round trip, BEGIN included, on PostgreSQL (storage.direct).
@@ -155,6 +187,51 @@ class Receiving(TransactionCore):
         if rows:
             self._dirty = True
         return q, rows
+
+    def _claim_shape(
+        self,
+        queue: str,
+        top: int | None,
+        conversation_handle: Handle | None,
+        conversation_group: Handle | None,
+        lease_token: uuid.UUID | None,
+    ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """A claim's queue, parameters (all but ``now``) and shape (``queries.claim_*``), its
+        arguments checked."""
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
+            raise InvalidDefinition(f"top must be a whole number >= 1, not {top!r}")
+        if conversation_handle is not None and conversation_group is not None:
+            raise InvalidDefinition("give conversation_handle or conversation_group, not both")
+        self._require_receive(queue)
+        q = self._queue(queue)
+        params: dict[str, Any] = {"queue_id": q.queue_id}
+        if conversation_handle is not None:
+            params["handle"] = as_uuid(conversation_handle, "conversation handle")
+        if conversation_group is not None:
+            params["group_id"] = as_uuid(conversation_group, "conversation group")
+        adapter = self.broker.adapter
+        # PostgreSQL: the claim itself writes the commit marker of this transaction's receive
+        # lease (what tells a rollback or a dead reader from a commit).
+        mark = self.broker.dialect == "postgresql" and lease_token is None
+        if mark:
+            lease = self._leases.get(q.queue_id)
+            if lease is not None:
+                params["lease_key"] = lease.key
+            else:
+                self._lease_key = self._lease_key or adapter.new_lease_key()
+                params["lease_key"] = self._lease_key
+        if lease_token is not None:
+            params["token"] = lease_token
+        by_handle, by_group = conversation_handle is not None, conversation_group is not None
+        shape = {
+            "top": top,
+            "by_handle": by_handle,
+            "by_group": by_group,
+            "retention": q.retention,
+            "mark": mark,
+            "lease": lease_token is not None,
+        }
+        return q, params, shape
 
     # -- leases --------------------------------------------------------------------------------
     def complete(self, token: Handle) -> int:

@@ -93,6 +93,11 @@ class TransactionCore:
         else:
             self.rollback()
 
+    @property
+    def ended(self) -> bool:
+        """Whether this transaction has committed or rolled back."""
+        return self._done
+
     def commit(self) -> None:
         """Commit: SENDs become visible to readers, RECEIVEd messages are gone for good."""
         self._check_open()
@@ -115,13 +120,27 @@ class TransactionCore:
         except BaseException:
             self._after_rollback()
             raise
+        self._committed()
+
+    def _committed(self, *, close: bool = True) -> None:
+        """After the COMMIT went through: this transaction is over. ``close``: give the
+        connection back (not when a successor took it over, see :meth:`_successor`)."""
         self._done = True
-        adapter.close_leases(leases)
-        conn.close()
+        self.broker.adapter.close_leases(list(self._leases.values()))
+        if close:
+            self.connection.close()
         if self._sent or self._received:
             metrics.incr(metrics.MESSAGES_SENT, self._sent)
             for name, n in self._received.items():
                 metrics.incr(metrics.MESSAGES_RECEIVED, n, {"queue": name})
+
+    def _successor(self) -> Self:
+        """A new transaction on this one's connection, which it owns from the COMMIT of this
+        one on (``Receiving.commit_and_receive`` sends that COMMIT and the successor's first
+        statement together)."""
+        nxt = type(self)(self.broker, within=self.connection)
+        nxt._owned = True
+        return nxt
 
     def rollback(self) -> None:
         """Roll back: received messages return to their queue; counts toward poison handling."""

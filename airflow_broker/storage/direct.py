@@ -166,6 +166,12 @@ def execute(conn: Connection, statement: Prepared, args: Sequence[Any]) -> list[
         result = _run(conn, raw, b"BEGIN;" + statement.inline(literals))
     if new:
         prepared.add(statement.name)
+    return _rows(info, raw, result)
+
+
+def _rows(info: dict[str, Any], raw: Any, result: PGresult) -> list[tuple[Any, ...]]:
+    """``result``'s rows as tuples, decoded by psycopg's loaders (one Transformer per
+    connection, kept in its pool ``info``)."""
     transformer = info.get("broker_transformer")
     if transformer is None:
         from psycopg.adapt import Transformer
@@ -190,6 +196,61 @@ def commit(conn: Connection) -> None:
     conn.commit()
 
 
+class CommittedThenFailed(Exception):
+    """:func:`commit_then_execute`: the COMMIT went through, the statement after it failed
+    (``error``, as :func:`execute` raises it); the connection is in that failed transaction."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def can_commit_then_execute(conn: Connection, statement: Prepared) -> bool:
+    """Whether :func:`commit_then_execute` can run ``statement`` on ``conn``: its transaction is
+    open and healthy, and the statement is prepared on the connection already."""
+    if not conn.in_transaction() or conn.engine in _inline_engines:
+        return False
+    fairy = conn.connection
+    raw: Any = fairy.driver_connection
+    if raw.pgconn.transaction_status != _INTRANS:
+        return False
+    prepared: set[str] = fairy.info.get("broker_prepared", set())
+    return statement.name in prepared
+
+
+def commit_then_execute(
+    conn: Connection, statement: Prepared, args: Sequence[Any]
+) -> list[tuple[Any, ...]]:
+    """Commit ``conn``'s transaction and run ``statement`` with ``args`` in the next one, in one
+    round trip (``COMMIT; BEGIN; EXECUTE ...``); return its rows. Only when
+    :func:`can_commit_then_execute` says so.
+
+    SQLAlchemy's transaction on ``conn`` stays open and is the new one's: commit it with
+    :func:`commit`, or roll it back.
+
+    :raises DBAPIError: the COMMIT failed (nothing after it ran) or the connection was lost
+        with the query in flight (whether the COMMIT happened is then unknown).
+    :raises CommittedThenFailed: the COMMIT went through and the statement failed.
+    """
+    fairy = conn.connection
+    raw: Any = fairy.driver_connection
+    literals = [literal(fairy.info["broker_escaping"], a) for a in args]
+    query = b"COMMIT;BEGIN;EXECUTE " + statement.name.encode() + b"(" + b",".join(literals) + b")"
+    results = _results(conn, raw, query)
+    done = results[0]
+    if done.status not in _SUCCESS:
+        _raise(conn, raw, query, done)
+    if done.command_status != b"COMMIT":  # an aborted transaction; can_commit_then_execute
+        raise RuntimeError(f"COMMIT answered {done.command_status!r}")
+    for result in results[1:]:
+        if result.status not in _SUCCESS:
+            try:
+                _raise(conn, raw, query, result)
+            except DBAPIError as exc:
+                raise CommittedThenFailed(exc) from exc
+    return _rows(fairy.info, raw, results[-1])
+
+
 #: SQLSTATEs of a prepared statement missing (26000) or already there (42P05).
 _NOT_KEPT = ("26000", "42P05")
 #: Engines whose server keeps no prepared statements between transactions (see execute).
@@ -199,6 +260,16 @@ _inline_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 def _run(conn: Connection, raw: Any, query: bytes) -> PGresult:
     """Send ``query`` (a simple query, perhaps several statements) and return the last result,
     raising the first error as SQLAlchemy would."""
+    results = _results(conn, raw, query)
+    for result in results:
+        if result.status not in _SUCCESS:
+            _raise(conn, raw, query, result)
+    return results[-1]
+
+
+def _results(conn: Connection, raw: Any, query: bytes) -> list[PGresult]:
+    """Send ``query`` and return every result, errors included (the server runs nothing of a
+    simple query after its first error)."""
     pgconn = raw.pgconn
     started = _clock() if observer is not None else 0.0
     try:
@@ -221,10 +292,7 @@ def _run(conn: Connection, raw: Any, query: bytes) -> PGresult:
         raise
     if observer is not None:
         observer(query, _clock() - started)
-    for result in results:
-        if result.status not in _SUCCESS:
-            _raise(conn, raw, query, result)
-    return results[-1]
+    return results
 
 
 def _raise(conn: Connection, raw: Any, query: bytes, result: PGresult) -> None:
@@ -290,8 +358,11 @@ __all__ = [
     "COMMAND_OK",
     "CONNECTION_OK",
     "MAX_LITERAL_BODY",
+    "CommittedThenFailed",
     "Prepared",
+    "can_commit_then_execute",
     "commit",
+    "commit_then_execute",
     "execute",
     "flush",
     "literal",
