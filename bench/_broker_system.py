@@ -5,10 +5,15 @@ and sends one message on each, so that every target endpoint exists and both sid
 CONVERSING before the first measured SEND: the bench measures steady-state messaging, not
 dialog creation (the peers have no equivalent of it).
 
+The producer SENDs with ``broker.send``, a SEND in a transaction of its own (on PostgreSQL its
+COMMIT goes in the SEND's own round trip, as pgmq's autocommitted ``send``); the consumers run a
+reader's loop (``tx.commit_and_receive``, as ``drain()``: each COMMIT goes with the next
+RECEIVE).
+
 Single: each SEND goes to the next dialog, round robin; each RECEIVE takes ``top=1``.
 
-Batched: one transaction SENDs one message to each of 100 dialogs (``tx.send`` with the list of
-handles), the equivalent of pgmq's ``send_batch`` of 100. On the receiving side the 100 target
+Batched: one transaction SENDs one message to each of 100 dialogs (``broker.send`` with the list
+of handles), the equivalent of pgmq's ``send_batch`` of 100. On the receiving side the 100 target
 endpoints are moved into ``Workload.groups`` conversation groups, and each consuming
 transaction is one ``RECEIVE TOP (100)``: one statement that returns up to 100 messages of one
 group, the equivalent of pgmq's ``read(qty=100)``. Several groups (4 by default) let two
@@ -49,7 +54,8 @@ def _connect(db: Database) -> Broker:
 
 
 class BrokerProducer:
-    """``with broker.transaction() as tx: tx.send(handle or handles, body=...)``."""
+    """``broker.send(handle or handles, body=...)``: a SEND in a transaction of its own (on
+    PostgreSQL its COMMIT goes in the same round trip, as pgmq's autocommitted ``send``)."""
 
     def __init__(self, db: Database, state: SetupState) -> None:
         self.broker = _connect(db)
@@ -58,13 +64,12 @@ class BrokerProducer:
 
     def send(self, first_seq: int, count: int) -> None:
         """One transaction: one message, or one message to each of ``count`` dialogs."""
-        with self.broker.transaction() as tx:
-            if count == 1:
-                tx.send(self.handles[self._next], body=payload(first_seq))
-                self._next = (self._next + 1) % len(self.handles)
-            else:
-                # SEND ON CONVERSATION (h1, ..., h100): one body to every listed dialog.
-                tx.send(self.handles[:count], body=payload(first_seq))
+        if count == 1:
+            self.broker.send(self.handles[self._next], body=payload(first_seq))
+            self._next = (self._next + 1) % len(self.handles)
+        else:
+            # SEND ON CONVERSATION (h1, ..., h100): one body to every listed dialog.
+            self.broker.send(self.handles[:count], body=payload(first_seq))
 
     def close(self) -> None:
         """Dispose of the engine."""

@@ -10,6 +10,7 @@ precisely what is wrong.
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
 from functools import cache
 from typing import Any
@@ -24,13 +25,18 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
 from airflow_broker.constants import (
     STATUS_READY,
 )
+from airflow_broker.errors import MessageValidationError
+from airflow_broker.messaging.lookups import message_type_def
 from airflow_broker.messaging.rows import precedence
+from airflow_broker.messaging.validation import VALIDATION_CODES, validate_body
 from airflow_broker.storage import direct
 from airflow_broker.storage import schema as s
+from airflow_broker.storage.endpoint_locks import ADVISORY_BUDGET
 
 
 @cache
@@ -257,3 +263,80 @@ SEND_ONE_DIRECT = direct.Prepared(
 SEND_MANY_DIRECT = direct.Prepared(
     "SELECT * FROM broker_send_many($1, $2, $3, $4, $5, $6, $7)", ("uuid[]", *_SEND_TYPES)
 )
+
+#: SQLSTATE of :data:`SENT_ALL_FUNCTION`'s error: the fast path did not reach every conversation.
+NOT_ALL_SENT = "BRS01"
+
+#: PostgreSQL (migration 0020): raises :data:`NOT_ALL_SENT` unless ``sent`` equals ``wanted``,
+#: so that a COMMIT sent in the same query as the SEND does not run (``Broker.send``).
+SENT_ALL_FUNCTION = f"""
+CREATE OR REPLACE FUNCTION broker_sent_all(sent bigint, wanted integer) RETURNS bigint
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF sent IS DISTINCT FROM wanted THEN
+        RAISE EXCEPTION 'SEND reached % of % conversations by the fast path', sent, wanted
+            USING ERRCODE = '{NOT_ALL_SENT}';
+    END IF;
+    RETURN sent;
+END
+$$
+"""
+
+#: :data:`SEND_ONE_DIRECT` and :data:`SEND_MANY_DIRECT` for a SEND whose COMMIT follows in the
+#: same query: one row (how many were sent), or the error :data:`NOT_ALL_SENT`.
+SEND_ONE_COMMITTING = direct.Prepared(
+    "SELECT broker_sent_all(count(x.seq), 1) "
+    "FROM (SELECT broker_send_one($1, $2, $3, $4, $5, $6, $7) AS seq) x",
+    ("uuid", *_SEND_TYPES),
+)
+SEND_MANY_COMMITTING = direct.Prepared(
+    "SELECT broker_sent_all(count(*), cardinality($1)) "
+    "FROM broker_send_many($1, $2, $3, $4, $5, $6, $7)",
+    ("uuid[]", *_SEND_TYPES),
+)
+
+
+def send_committing(
+    conn: Connection,
+    broker: Any,
+    handles: list[uuid.UUID],
+    message_type: str,
+    payload: bytes | None,
+    now: datetime,
+) -> bool:
+    """PostgreSQL, ``Broker.send``: SEND on ``handles`` by the fast path and COMMIT ``conn``'s
+    transaction (fresh, nothing done in it yet) in one query. True: sent and committed (the
+    caller ends SQLAlchemy's transaction, see :func:`airflow_broker.storage.direct.execute`).
+    False: nothing was sent or committed, and the transaction was rolled back; the caller SENDs
+    the usual way. Other errors are raised, the transaction in error."""
+    if payload is not None and len(payload) > direct.MAX_LITERAL_BODY:
+        return False
+    if len(handles) > ADVISORY_BUDGET:  # the far endpoints would be row-locked: usual way
+        return False
+    mtype = message_type_def(broker, conn, message_type)
+    if mtype is None:
+        return False
+    validation, json_schema = mtype
+    try:
+        validate_body(message_type, validation, json_schema, payload)
+    except MessageValidationError:
+        return False  # the general path raises it, after the checks that come first
+    single = len(handles) == 1
+    args = [
+        handles[0] if single else handles,
+        message_type,
+        precedence(message_type),
+        VALIDATION_CODES[validation],
+        payload,
+        now,
+        False,  # advisory locks, within the budget
+    ]
+    statement = SEND_ONE_COMMITTING if single else SEND_MANY_COMMITTING
+    try:
+        direct.execute(conn, statement, args, commit=True)
+    except DBAPIError as exc:
+        if getattr(exc.orig, "sqlstate", None) != NOT_ALL_SENT:
+            raise
+        conn.rollback()
+        return False
+    return True

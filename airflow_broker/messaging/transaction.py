@@ -50,6 +50,7 @@ from airflow_broker.messaging.fast_send import (
     endpoint_statement,
     far_endpoints_unchanged,
     on_fast_path,
+    send_committing,
     send_fast,
 )
 from airflow_broker.messaging.lookups import contract_rule, message_type_def, priority_for
@@ -282,6 +283,44 @@ class Transaction(Receiving, Ending):
                 self._give_back(dedupe_key, claimed)
             raise
         self._sent += len(handle_list)
+
+    def send_and_commit(
+        self,
+        handles: Handle | Sequence[Handle],
+        message_type: str = DEFAULT,
+        body: Any = None,
+        *,
+        dedupe_key: str | None = None,
+    ) -> None:
+        """:meth:`send`, then :meth:`commit` (``Broker.send``). On PostgreSQL, when nothing
+        else was done in this transaction and the fast path takes every conversation, the
+        COMMIT goes in the SEND's own query: one round trip."""
+        self._check_open()
+        b = self.broker
+        if (
+            b.dialect == "postgresql"
+            and b.client_role is None
+            and dedupe_key is None
+            and self._owned
+            and not self._dirty
+            and not self.connection.in_transaction()
+            and message_type not in SYSTEM_MESSAGE_TYPES
+        ):
+            if isinstance(handles, uuid.UUID | str):
+                handle_list = [as_uuid(handles, "conversation handle")]
+            else:
+                handle_list = [as_uuid(h, "conversation handle") for h in handles]
+            if handle_list and len(set(handle_list)) == len(handle_list):
+                payload = encode_body(body)
+                if send_committing(
+                    self.connection, b, handle_list, message_type, payload, utcnow()
+                ):
+                    self.connection.commit()  # the server is idle: nothing is sent
+                    self._sent += len(handle_list)
+                    self._committed()
+                    return
+        self.send(handles, message_type, body, dedupe_key=dedupe_key)
+        self.commit()
 
     def _claim_sends(
         self, handles: list[uuid.UUID], key: str, now: datetime

@@ -116,9 +116,16 @@ def literal(escaping: Any, value: Any) -> bytes:
 
 
 # -- running ---------------------------------------------------------------------------------
-def execute(conn: Connection, statement: Prepared, args: Sequence[Any]) -> list[tuple[Any, ...]]:
+def execute(
+    conn: Connection, statement: Prepared, args: Sequence[Any], *, commit: bool = False
+) -> list[tuple[Any, ...]]:
     """Run ``statement`` with ``args`` inside ``conn``'s transaction (begun here when it is
-    not yet) in one round trip; return its rows as tuples."""
+    not yet) in one round trip; return its rows as tuples.
+
+    ``commit``: the transaction's COMMIT follows in the same query; it runs only if the
+    statement succeeded (the server runs nothing of a query after its first error). SQLAlchemy's
+    transaction on ``conn`` is still open afterwards: end it with :func:`commit`, which then
+    finds the server idle and sends nothing."""
     if not conn.in_transaction():
         conn.begin()
     fairy = conn.connection
@@ -143,8 +150,9 @@ def execute(conn: Connection, statement: Prepared, args: Sequence[Any]) -> list[
     if begin:
         parts.append(b"BEGIN")
     parts.append(query)
+    tail = [b"COMMIT"] if commit else []
     try:
-        result = _run(conn, raw, b";".join(parts))
+        result = _run(conn, raw, b";".join(parts + tail), pick=-2 if commit else -1)
     except DBAPIError as exc:
         state = getattr(exc.orig, "sqlstate", None)
         if inline or state not in _NOT_KEPT or not begin or exc.connection_invalidated:
@@ -163,7 +171,8 @@ def execute(conn: Connection, statement: Prepared, args: Sequence[Any]) -> list[
         prepared.clear()
         conn.rollback()
         conn.begin()
-        result = _run(conn, raw, b"BEGIN;" + statement.inline(literals))
+        inlined = b"BEGIN;" + statement.inline(literals) + (b";COMMIT" if commit else b"")
+        result = _run(conn, raw, inlined, pick=-2 if commit else -1)
     if new:
         prepared.add(statement.name)
     return _rows(info, raw, result)
@@ -257,14 +266,14 @@ _NOT_KEPT = ("26000", "42P05")
 _inline_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
-def _run(conn: Connection, raw: Any, query: bytes) -> PGresult:
-    """Send ``query`` (a simple query, perhaps several statements) and return the last result,
-    raising the first error as SQLAlchemy would."""
+def _run(conn: Connection, raw: Any, query: bytes, *, pick: int = -1) -> PGresult:
+    """Send ``query`` (a simple query, perhaps several statements) and return its last result
+    (``pick``: another, by index), raising the first error as SQLAlchemy would."""
     results = _results(conn, raw, query)
     for result in results:
         if result.status not in _SUCCESS:
             _raise(conn, raw, query, result)
-    return results[-1]
+    return results[pick]
 
 
 def _results(conn: Connection, raw: Any, query: bytes) -> list[PGresult]:
