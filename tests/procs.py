@@ -417,6 +417,25 @@ def _record_hold(
     )
 
 
+def loop_then_die(url: str, queue: str) -> None:
+    """A reader's loop: RECEIVE one message, record it in the same transaction, then COMMIT it
+    together with the next RECEIVE (``commit_and_receive``) and SIGKILL this process the moment
+    that returns: the first message is handled once, the second one was taken by a transaction
+    that never commits. The parent checks both."""
+    broker = Broker.connect(url)
+    tx = broker.transaction()
+    first = tx.receive(queue, top=1)
+    if not first:
+        os._exit(3)  # nothing to receive: the parent reports it
+    tx.connection.execute(
+        text("INSERT INTO handled (body) VALUES (:b)"), {"b": first[0].message_body}
+    )
+    _nxt, second = tx.commit_and_receive(queue, top=1)
+    if second:
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(4)  # the second message was not there: the parent reports it
+
+
 def receive_then_die(url: str, queue: str) -> None:
     """RECEIVE from ``queue`` and SIGKILL this process the moment RECEIVE returns: no report, no
     pause, no cleanup. The receive lease was sent to the server without waiting for its answer

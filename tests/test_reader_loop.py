@@ -8,8 +8,12 @@ transaction holds only what it received.
 
 from __future__ import annotations
 
+import multiprocessing
+import signal
+import time
 from typing import Any
 
+import procs
 import pytest
 from helpers import (
     NOTE,
@@ -25,6 +29,8 @@ from sqlalchemy.exc import IntegrityError
 from airflow_broker import Broker, QueueDisabled
 from airflow_broker.activation.readers import drain
 from airflow_broker.storage import direct
+
+MP = multiprocessing.get_context("forkserver")
 
 
 @pytest.fixture
@@ -184,3 +190,44 @@ def test_postgres_sends_the_commit_with_the_next_receive(
     assert len(pipelined) == 6  # five that took a message, one that found the queue empty
     # No COMMIT of its own but the last one, after the claim that found the queue empty.
     assert sent.count(b"COMMIT") == 1 and sent[-1] == b"COMMIT"
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(120)
+def test_a_reader_killed_as_commit_and_receive_returns(pg_url: str) -> None:
+    """SIGKILL the moment commit_and_receive returns: the committed message stays handled once,
+    the one the new transaction took goes back to the queue with its failed attempt counted,
+    and the next reader handles it."""
+    broker = Broker.connect(pg_url)
+    try:
+        declare_pair(broker)
+        with broker.engine.begin() as conn:
+            conn.execute(text("CREATE TABLE handled (body BYTEA NOT NULL)"))
+        h = begin(broker)
+        send(broker, h, NOTE, b"1", b"2", b"3")
+        proc = MP.Process(target=procs.loop_then_die, args=(pg_url, SUPPLIER_QUEUE))
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == -signal.SIGKILL, f"the reader ended with {proc.exitcode}"
+        deadline = time.monotonic() + 30
+        while True:
+            broker.run_due()  # reaps the dead reader's lease, counting its attempt
+            status = next(q for q in broker.queue_status() if q.name == SUPPLIER_QUEUE)
+            if status.rollback_count >= 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert status.rollback_count == 1, status
+        assert sorted(queue_rows(broker)) == [(b"2", 1), (b"3", 0)]
+
+        def record(tx: Any, messages: list[Any]) -> None:
+            for m in messages:
+                tx.connection.execute(
+                    text("INSERT INTO handled (body) VALUES (:b)"), {"b": m.message_body}
+                )
+
+        drain(broker, SUPPLIER_QUEUE, record, top=1)
+        with broker.engine.connect() as conn:
+            handled = conn.execute(text("SELECT body FROM handled")).scalars().all()
+        assert sorted(bytes(b) for b in handled) == [b"1", b"2", b"3"]  # each once
+    finally:
+        broker.dispose()
