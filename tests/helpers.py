@@ -9,6 +9,7 @@ send ``//po/Note`` (no validation).
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -183,3 +184,16 @@ def pair_behind_connection(
     declare_pair(b)
     yield b
     b.dispose()
+
+
+def rollbacks_after_reaping(broker: Broker, queue: str, want: int, timeout: float = 30) -> int:
+    """Run the due work (which reaps the leases of dead readers, counting their attempts)
+    until ``queue``'s run of rollbacks reaches ``want`` or ``timeout`` seconds pass; returns
+    the count."""
+    deadline = time.monotonic() + timeout
+    while True:
+        broker.run_due()
+        status = next(q for q in broker.queue_status() if q.name == queue)
+        if status.rollback_count >= want or time.monotonic() > deadline:
+            return status.rollback_count
+        time.sleep(0.1)

@@ -21,7 +21,15 @@ from typing import Any
 import procs
 import pytest
 import sqlalchemy.exc
-from helpers import NOTE, SUPPLIER_QUEUE, begin, declare_pair, receive, send
+from helpers import (
+    NOTE,
+    SUPPLIER_QUEUE,
+    begin,
+    declare_pair,
+    receive,
+    rollbacks_after_reaping,
+    send,
+)
 from sqlalchemy import text
 
 from airflow_broker import Broker
@@ -212,14 +220,8 @@ def test_a_reader_killed_as_receive_returns_has_its_attempt_counted(pg_url: str)
             proc.start()
             proc.join(60)
             assert proc.exitcode == -signal.SIGKILL, f"the reader ended with {proc.exitcode}"
-            deadline = time.monotonic() + 30
-            while True:
-                broker.run_due()
-                status = next(q for q in broker.queue_status() if q.name == SUPPLIER_QUEUE)
-                if status.rollback_count >= kill or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-            assert status.rollback_count == kill, f"after {kill} killed reader(s): {status}"
+            counted = rollbacks_after_reaping(broker, SUPPLIER_QUEUE, kill)
+            assert counted == kill, f"after {kill} killed reader(s): {counted} counted"
         (m,) = receive(broker, SUPPLIER_QUEUE)
         # receive_count counts this hand-out too: three failed ones before it.
         assert m.message_body == b"1" and m.receive_count == kills + 1

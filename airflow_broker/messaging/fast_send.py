@@ -296,6 +296,36 @@ SEND_MANY_COMMITTING = direct.Prepared(
 )
 
 
+def fast_args(
+    broker: Any,
+    conn: Connection,
+    message_type: str,
+    payload: bytes | None,
+    now: datetime,
+    *,
+    row_lock: bool,
+) -> list[Any] | None:
+    """The fast path's arguments after the handle(s) (:data:`SEND_PARAMS`' order), or None
+    when the message type is unknown or the body does not validate: the general path raises
+    that, after the checks that come first."""
+    mtype = message_type_def(broker, conn, message_type)
+    if mtype is None:
+        return None
+    validation, json_schema = mtype
+    try:
+        validate_body(message_type, validation, json_schema, payload)
+    except MessageValidationError:
+        return None
+    return [
+        message_type,
+        precedence(message_type),
+        VALIDATION_CODES[validation],
+        payload,
+        now,
+        row_lock,
+    ]
+
+
 def send_committing(
     conn: Connection,
     broker: Any,
@@ -313,24 +343,11 @@ def send_committing(
         return False
     if len(handles) > ADVISORY_BUDGET:  # the far endpoints would be row-locked: usual way
         return False
-    mtype = message_type_def(broker, conn, message_type)
-    if mtype is None:
+    args = fast_args(broker, conn, message_type, payload, now, row_lock=False)
+    if args is None:
         return False
-    validation, json_schema = mtype
-    try:
-        validate_body(message_type, validation, json_schema, payload)
-    except MessageValidationError:
-        return False  # the general path raises it, after the checks that come first
     single = len(handles) == 1
-    args = [
-        handles[0] if single else handles,
-        message_type,
-        precedence(message_type),
-        VALIDATION_CODES[validation],
-        payload,
-        now,
-        False,  # advisory locks, within the budget
-    ]
+    args.insert(0, handles[0] if single else handles)
     statement = SEND_ONE_COMMITTING if single else SEND_MANY_COMMITTING
     try:
         direct.execute(conn, statement, args, commit=True)

@@ -33,7 +33,6 @@ from airflow_broker.errors import (
     ContractViolation,
     ConversationEnded,
     InvalidDefinition,
-    MessageValidationError,
     UnknownObject,
 )
 from airflow_broker.messaging import dedupe
@@ -49,16 +48,17 @@ from airflow_broker.messaging.fast_send import (
     SEND_PARAMS,
     endpoint_statement,
     far_endpoints_unchanged,
+    fast_args,
     on_fast_path,
     send_committing,
     send_fast,
 )
-from airflow_broker.messaging.lookups import contract_rule, message_type_def, priority_for
+from airflow_broker.messaging.lookups import contract_rule, priority_for
 from airflow_broker.messaging.objects import (
     ConversationEndpoint,
 )
 from airflow_broker.messaging.receiving import Receiving
-from airflow_broker.messaging.rows import precedence, to_endpoint
+from airflow_broker.messaging.rows import to_endpoint
 from airflow_broker.messaging.validation import (
     VALIDATION_CODES,
     encode_body,
@@ -247,14 +247,7 @@ class Transaction(Receiving, Ending):
         transaction) is skipped, the others get the message."""
         if dedupe_key is not None:
             dedupe.check_key(dedupe_key)
-        if isinstance(handles, uuid.UUID | str):
-            handle_list = [as_uuid(handles, "conversation handle")]
-        else:
-            handle_list = [as_uuid(h, "conversation handle") for h in handles]
-        if not handle_list:
-            raise InvalidDefinition("SEND needs at least one conversation handle")
-        if len(set(handle_list)) != len(handle_list):
-            raise InvalidDefinition("SEND names the same conversation handle twice")
+        handle_list = _send_handles(handles)
         self._require_conversations(handle_list)
         if message_type in SYSTEM_MESSAGE_TYPES:
             raise ContractViolation(
@@ -306,19 +299,13 @@ class Transaction(Receiving, Ending):
             and not self.connection.in_transaction()
             and message_type not in SYSTEM_MESSAGE_TYPES
         ):
-            if isinstance(handles, uuid.UUID | str):
-                handle_list = [as_uuid(handles, "conversation handle")]
-            else:
-                handle_list = [as_uuid(h, "conversation handle") for h in handles]
-            if handle_list and len(set(handle_list)) == len(handle_list):
-                payload = encode_body(body)
-                if send_committing(
-                    self.connection, b, handle_list, message_type, payload, utcnow()
-                ):
-                    self.connection.commit()  # the server is idle: nothing is sent
-                    self._sent += len(handle_list)
-                    self._committed()
-                    return
+            handle_list = _send_handles(handles)
+            payload = encode_body(body)
+            if send_committing(self.connection, b, handle_list, message_type, payload, utcnow()):
+                self.connection.commit()  # the server is idle: nothing is sent
+                self._sent += len(handle_list)
+                self._committed()
+                return
         self.send(handles, message_type, body, dedupe_key=dedupe_key)
         self.commit()
 
@@ -436,30 +423,19 @@ class Transaction(Receiving, Ending):
         statement wrote nothing, the few another transaction changed meanwhile, or none."""
         if self.broker.dialect != "postgresql":
             return handles
-        mtype = message_type_def(self.broker, self.connection, message_type)
-        if mtype is None:
-            return handles
-        validation, json_schema = mtype
-        try:
-            validate_body(message_type, validation, json_schema, payload)
-        except MessageValidationError:
-            return handles  # the general path raises it, after the checks that come first
         # The far endpoints are locked in memory (advisory locks) up to a budget per
         # transaction, then by row locks (storage.endpoint_locks says why).
         in_memory = self._advisory_locked | set(handles)
         row_lock = len(in_memory) > ADVISORY_BUDGET
+        args = fast_args(
+            self.broker, self.connection, message_type, payload, now, row_lock=row_lock
+        )
+        if args is None:
+            return handles
         if not row_lock:
             self._advisory_locked = in_memory
         single = len(handles) == 1
         target: Any = handles[0] if single else handles
-        args = [
-            message_type,
-            precedence(message_type),
-            VALIDATION_CODES[validation],
-            payload,
-            now,
-            row_lock,
-        ]
         rows: Sequence[Any]
         if payload is None or len(payload) <= direct.MAX_LITERAL_BODY:
             # One round trip, BEGIN included (storage.direct).
@@ -597,3 +573,16 @@ class Transaction(Receiving, Ending):
             queue_name=row.queue_name,
             timer_due_at=aware(row.timer_due_at),
         )
+
+
+def _send_handles(handles: Handle | Sequence[Handle]) -> list[uuid.UUID]:
+    """A SEND's conversation handles as a list of UUIDs: at least one, none twice."""
+    if isinstance(handles, uuid.UUID | str):
+        handle_list = [as_uuid(handles, "conversation handle")]
+    else:
+        handle_list = [as_uuid(h, "conversation handle") for h in handles]
+    if not handle_list:
+        raise InvalidDefinition("SEND needs at least one conversation handle")
+    if len(set(handle_list)) != len(handle_list):
+        raise InvalidDefinition("SEND names the same conversation handle twice")
+    return handle_list
