@@ -320,7 +320,8 @@ def drain(
     :param max_batches: stop after this many transactions that received messages.
     :param wait_seconds: how long a RECEIVE waits for more messages before the reader decides
         the queue is empty (seed 004's activated procedures use ``WAITFOR (RECEIVE ...)``).
-    :param stop: stop between two transactions once this is set.
+    :param stop: stop between two transactions once this is set (a batch already received
+        with the previous COMMIT is handled first).
     :param committed: called with the number of messages after each transaction that received
         them has committed.
     """
