@@ -153,6 +153,12 @@ class TransactionCore:
         self._done = True
         try:
             conn.rollback()
+            if self.broker.dialect == "sqlite" and not conn.invalidated:
+                # A COMMIT that failed (a deferred foreign key) leaves SQLite's transaction
+                # open, and SQLAlchemy's rollback after it finds none of its own to end.
+                raw: Any = conn.connection.driver_connection
+                if raw is not None and raw.in_transaction:
+                    raw.rollback()
             leases = list(self._leases.values())
             if leases:
                 holds = self.broker.adapter.forget_leases(conn, leases)
