@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     Uuid,
@@ -37,6 +37,9 @@ from airflow_broker.messaging.validation import VALIDATION_CODES, validate_body
 from airflow_broker.storage import direct
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.endpoint_locks import ADVISORY_BUDGET
+
+if TYPE_CHECKING:
+    from airflow_broker.storage.context import BrokerContext
 
 
 @cache
@@ -297,7 +300,7 @@ SEND_MANY_COMMITTING = direct.Prepared(
 
 
 def fast_args(
-    broker: Any,
+    broker: BrokerContext,
     conn: Connection,
     message_type: str,
     payload: bytes | None,
@@ -328,7 +331,7 @@ def fast_args(
 
 def send_committing(
     conn: Connection,
-    broker: Any,
+    broker: BrokerContext,
     handles: list[uuid.UUID],
     message_type: str,
     payload: bytes | None,

@@ -295,8 +295,7 @@ class Transaction(Receiving, Ending):
             and b.client_role is None
             and dedupe_key is None
             and self._owned
-            and not self._dirty
-            and not self.connection.in_transaction()
+            and not self.connection.in_transaction()  # nothing done in this one yet
             and message_type not in SYSTEM_MESSAGE_TYPES
         ):
             handle_list = _send_handles(handles)
