@@ -69,8 +69,10 @@ class Receiving(TransactionCore):
         (``COMMIT; BEGIN; EXECUTE claim``) on the same connection, so a reader that takes one
         message per transaction waits on the server once per message instead of twice. The
         next transaction's receive lease is opened after its claim, as in :meth:`receive`. When
-        the claim finds nothing the new transaction RECEIVEs again the usual way (waiting up to
-        ``wait_seconds``, saying whether the queue is disabled).
+        the claim takes nothing, the claim's answer says whether the queue is enabled with
+        nothing free (then that is the answer, unless ``wait_seconds`` asks to wait); otherwise
+        the new transaction RECEIVEs again the usual way (waiting up to ``wait_seconds``, saying
+        whether the queue is disabled, trying again after a group it locked turned out empty).
 
         If the COMMIT fails, nothing was received and the error is raised, as :meth:`commit`
         raises it. If the RECEIVE fails, this transaction is committed all the same, the new
@@ -78,6 +80,7 @@ class Receiving(TransactionCore):
         """
         self._check_open()
         self._check_owned()
+        _check_wait(wait_seconds)
         b = self.broker
         pipelined = b.dialect == "postgresql" and b.client_role is None and self._doomed is None
         if pipelined:
@@ -106,7 +109,9 @@ class Receiving(TransactionCore):
             raise
         self._committed(close=False)
         try:
-            if not rows:
+            if not rows and wait_seconds <= 0:
+                return nxt, []  # an enabled queue with nothing free
+            if not rows or queries.is_probe(rows):
                 return nxt, nxt.receive(queue, top=top, wait_seconds=wait_seconds)
             nxt._dirty = True
             return nxt, nxt._hold(q, rows)
@@ -150,7 +155,6 @@ class Receiving(TransactionCore):
         q, params, shape = self._claim_shape(
             queue, top, conversation_handle, conversation_group, lease_token
         )
-        by_handle, by_group = shape["by_handle"], shape["by_group"]
         pg = self.broker.dialect == "postgresql"
         if pg:
             # One round trip, BEGIN included, on PostgreSQL (storage.direct).
@@ -169,19 +173,21 @@ class Receiving(TransactionCore):
         def claim() -> list[Any]:
             params["now"] = utcnow()
             rows = take()
-            if rows:
+            if not pg:
+                if not rows:
+                    self._raise_if_disabled(q)
+                return rows
+            if not queries.is_probe(rows):
+                # Messages, or none with nothing more to know (see queries._TAKEN_OR_PROBE).
                 return rows
             self._raise_if_disabled(q)
-            if not pg:
-                return rows
-            ready = queries.ready_exists_statement(by_handle=by_handle, by_group=by_group)
+            # A group was locked whose messages another reader had just taken: again, with a
+            # new snapshot.
             for _ in range(queries.CLAIM_ATTEMPTS - 1):
-                if self._execute(ready, params).first() is None:
-                    break
                 rows = take()
-                if rows:
-                    break
-            return rows
+                if not queries.is_probe(rows):
+                    return rows
+            return []
 
         rows = self._wait_for(q, wait_seconds, claim)
         if rows:
@@ -274,8 +280,7 @@ class Receiving(TransactionCore):
     ) -> list[Any]:
         """Run ``attempt`` until it finds something or ``wait_seconds`` pass, sleeping on the
         engine's wake-up signal in between and doing due work (timers, lifetimes) as it goes."""
-        if not isinstance(wait_seconds, int | float) or wait_seconds < 0:
-            raise InvalidDefinition(f"wait_seconds must be >= 0, not {wait_seconds!r}")
+        _check_wait(wait_seconds)
         self._due_step(force=False)
         rows = attempt()
         if rows or wait_seconds <= 0:
@@ -320,3 +325,8 @@ class Receiving(TransactionCore):
             self.connection.commit()
         if work.next_due is not None:
             b.note_due(work.next_due)
+
+
+def _check_wait(wait_seconds: float) -> None:
+    if not isinstance(wait_seconds, int | float) or wait_seconds < 0:
+        raise InvalidDefinition(f"wait_seconds must be >= 0, not {wait_seconds!r}")

@@ -83,9 +83,46 @@ def claim_is_ordered(dialect: str) -> bool:
     return dialect == "postgresql"
 
 
-#: Every picker also checks the queue is enabled, so the hot path needs no separate lookup; an
-#: empty result is then told apart (disabled or just empty) by the caller.
+#: Every picker also checks the queue is enabled, so the hot path needs no separate lookup; on
+#: PostgreSQL a claim that took nothing says whether the queue was enabled (its probe row).
 _ENABLED = "EXISTS (SELECT 1 FROM broker_queue qq WHERE qq.queue_id = :queue_id AND qq.status)"
+
+#: PostgreSQL: the SQL type of each of :data:`MESSAGE_COLUMNS`, for the probe row below.
+_PG_TYPES = {
+    "queuing_order": "bigint",
+    "conversation_group_id": "uuid",
+    "conversation_handle": "uuid",
+    "message_sequence_number": "bigint",
+    "priority": "smallint",
+    "precedence": "smallint",
+    "service_name": "varchar",
+    "service_contract_name": "varchar",
+    "message_type_name": "varchar",
+    "validation": "varchar",
+    "message_body": "bytea",
+    "receive_count": "integer",
+    "dead_letter": "text",
+}
+_PROBE_ROW = ", ".join(f"CAST(NULL AS {_PG_TYPES[c]})" for c in MESSAGE_COLUMNS)
+
+#: PostgreSQL: what a claim returns. The messages taken, in GROUP_ORDER; when it took none, a
+#: *probe row* (every column NULL; see :func:`is_probe`) if there is more to know than "nothing
+#: is free": the queue is disabled or gone, or the claim locked a group whose ready messages
+#: another reader committed away between this statement's snapshot and its lock. No row at all
+#: says the queue is enabled and every group with ready messages (if any) is held by another
+#: reader: an empty RECEIVE in one round trip, with nothing to ask afterwards.
+_TAKEN_OR_PROBE = (
+    f"SELECT * FROM taken UNION ALL SELECT {_PROBE_ROW} "
+    "WHERE NOT EXISTS (SELECT 1 FROM taken) "
+    f"AND (EXISTS (SELECT 1 FROM grp) OR NOT {_ENABLED}) {_TAKEN_ORDER}"
+)
+
+
+def is_probe(rows: list[Any]) -> bool:
+    """Whether a PostgreSQL claim's answer is its probe row (it took nothing; see
+    :data:`_TAKEN_OR_PROBE`): a message's ``queuing_order`` is never NULL."""
+    return len(rows) == 1 and rows[0][0] is None
+
 
 #: A group held without a transaction (a lease, or the backoff after a failed attempt) is not
 #: picked, and neither are new messages in it: they wait with the others, so order holds.
@@ -304,10 +341,10 @@ def _claim_sql(
             "reset AS (UPDATE broker_queue SET rollback_count = 0 "
             "WHERE queue_id = :queue_id AND rollback_count > 0 "
             "AND EXISTS (SELECT 1 FROM taken)) "
-            f"SELECT * FROM taken {_TAKEN_ORDER}"
+            f"{_TAKEN_OR_PROBE}"
         )
     elif claim_is_ordered(dialect):
-        sql = f"{picked}, taken AS ({taking}) SELECT * FROM taken {_TAKEN_ORDER}"
+        sql = f"{picked}, taken AS ({taking}) {_TAKEN_OR_PROBE}"
     else:
         sql = f"{picked} {taking}"
     return sql
@@ -434,30 +471,9 @@ def lock_group_statement(
     return clause.columns(_col("conversation_group_id"))  # type: ignore[return-value]
 
 
-@cache
-def ready_exists_statement(*, by_handle: bool = False, by_group: bool = False) -> TextClause:
-    """PostgreSQL: whether RECEIVE should run an empty claim again (see below): ready messages
-    exist, and the claim may have locked a group (this transaction has a transaction id; a
-    claim that locked nothing assigns none, and then it found every group with ready messages
-    locked by other readers, which trying again at once would only find again)."""
-    where = (
-        "txid_current_if_assigned() IS NOT NULL "
-        f"AND m.queue_id = :queue_id AND m.status = 1 AND {_FREE_M}"
-    )
-    if by_handle:
-        where += " AND m.conversation_handle = :handle"
-    if by_group:
-        where += " AND m.conversation_group_id = :group_id"
-    return _typed(
-        f"SELECT 1 FROM broker_message m WHERE {where} LIMIT 1",
-        by_handle=by_handle,
-        by_group=by_group,
-    )
-
-
 #: On PostgreSQL a claim can come back empty although ready messages exist in an unlocked group:
 #: another reader committed between this statement's snapshot and its lock on the group, so the
-#: group it locked holds only messages that are already gone. A new statement has a new snapshot;
-#: RECEIVE runs the claim again, at most this many times in all, while ready messages exist and
-#: the claim may have locked a group (:func:`ready_exists_statement`).
+#: group it locked holds only messages that are already gone. Its probe row says so
+#: (:data:`_TAKEN_OR_PROBE`), and RECEIVE runs the claim again (a new statement, a new snapshot),
+#: at most this many times in all.
 CLAIM_ATTEMPTS = 4
