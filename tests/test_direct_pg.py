@@ -92,7 +92,9 @@ def test_a_naive_datetime_or_an_unknown_type_is_refused(pg_broker: Broker) -> No
             _select(conn, "float8", 1.5)
 
 
-def test_errors_are_the_dbapi_errors_sqlalchemy_raises(pg_broker: Broker) -> None:
+def test_errors_are_the_dbapi_errors_sqlalchemy_raises(
+    pg_broker: Broker, observed: list[bytes], caplog: pytest.LogCaptureFixture
+) -> None:
     divide = direct.Prepared("SELECT 1 / $1", ["integer"])
     with pg_broker.engine.connect() as conn:
         with pytest.raises(sqlalchemy.exc.DataError) as caught:
@@ -100,9 +102,12 @@ def test_errors_are_the_dbapi_errors_sqlalchemy_raises(pg_broker: Broker) -> Non
         assert caught.value.orig.sqlstate == "22012"
         assert not caught.value.connection_invalidated
         conn.rollback()
-        # The statement prepared in the failed transaction is still there.
+        # The statement prepared in the failed transaction is still there, and used as such:
+        # preparing it again would fail as if a pooler had changed the server process.
         assert direct.execute(conn, divide, [2]) == [(0,)]
         conn.commit()
+    assert observed[-1].startswith(b"BEGIN;EXECUTE ")
+    assert "prepared statements do not last" not in caplog.text
 
 
 def test_the_statement_begins_the_transaction_it_runs_in(

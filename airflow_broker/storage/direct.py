@@ -152,7 +152,10 @@ def execute(
     parts.append(query)
     tail = [b"COMMIT"] if commit else []
     try:
-        result = _run(conn, raw, b";".join(parts + tail), pick=-2 if commit else -1)
+        results = _results(conn, raw, b";".join(parts + tail))
+        if new:
+            _note_prepared(prepared, statement, results)
+        result = _checked(conn, raw, query, results, pick=-2 if commit else -1)
     except DBAPIError as exc:
         state = getattr(exc.orig, "sqlstate", None)
         if inline or state not in _NOT_KEPT or not begin or exc.connection_invalidated:
@@ -173,8 +176,6 @@ def execute(
         conn.begin()
         inlined = b"BEGIN;" + statement.inline(literals) + (b";COMMIT" if commit else b"")
         result = _run(conn, raw, inlined, pick=-2 if commit else -1)
-    if new:
-        prepared.add(statement.name)
     return _rows(info, raw, result)
 
 
@@ -269,11 +270,26 @@ _inline_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 def _run(conn: Connection, raw: Any, query: bytes, *, pick: int = -1) -> PGresult:
     """Send ``query`` (a simple query, perhaps several statements) and return its last result
     (``pick``: another, by index), raising the first error as SQLAlchemy would."""
-    results = _results(conn, raw, query)
+    return _checked(conn, raw, query, _results(conn, raw, query), pick=pick)
+
+
+def _checked(
+    conn: Connection, raw: Any, query: bytes, results: list[PGresult], *, pick: int
+) -> PGresult:
+    """``results[pick]``, once no result is an error (the first one is raised)."""
     for result in results:
         if result.status not in _SUCCESS:
             _raise(conn, raw, query, result)
     return results[pick]
+
+
+def _note_prepared(prepared: set[str], statement: Prepared, results: list[PGresult]) -> None:
+    """Remember ``statement`` as prepared on the connection once its PREPARE (the query's first
+    statement) went through, whatever became of the rest: a prepared statement is no part of
+    the transaction and outlives its rollback. Sent again, the PREPARE would fail as if a
+    pooler had handed the connection another server process."""
+    if results and results[0].status == COMMAND_OK:
+        prepared.add(statement.name)
 
 
 def _results(conn: Connection, raw: Any, query: bytes) -> list[PGresult]:
