@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from airflow_broker.constants import DEFAULT
-from airflow_broker.messaging import leases
+from airflow_broker.messaging import fast_send, leases
 from airflow_broker.messaging.arguments import UNSET, Handle
 from airflow_broker.messaging.definitions import Activation, Definitions, define
 from airflow_broker.messaging.duework import DueReport, run_due
@@ -452,14 +452,11 @@ class Broker(BrokerContext):
     ) -> None:
         """SEND in a transaction of its own, committed when this returns (a SEND outside
         BEGIN TRANSACTION): :meth:`Transaction.send`'s arguments. On PostgreSQL one round trip
-        when the fast path takes every conversation."""
-        tx = Transaction(self)
-        try:
-            tx.send_and_commit(handles, message_type, body, dedupe_key=dedupe_key)
-        except BaseException:
-            if not tx.ended:
-                tx.rollback()
-            raise
+        when the fast path takes every conversation (:func:`fast_send.send_committed`)."""
+        if dedupe_key is None and fast_send.send_committed(self, handles, message_type, body):
+            return
+        with Transaction(self) as tx:
+            tx.send(handles, message_type, body, dedupe_key=dedupe_key)
 
     def lease(
         self,

@@ -26,6 +26,7 @@ from helpers import (
     SUPPLIER_QUEUE,
     begin,
     declare_pair,
+    drain,
     receive,
     rollbacks_after_reaping,
     send,
@@ -252,3 +253,108 @@ def test_a_broker_transaction_commits_through_libpq(
         with pytest.raises(sqlalchemy.exc.DataError):
             direct.execute(tx.connection, direct.Prepared("SELECT 1 / $1", ["integer"]), [0])
     assert receive(pg_broker, SUPPLIER_QUEUE) == []
+
+
+# -- execute_committed: a whole transaction on a pooled connection (Broker.send) ----------------
+def test_a_committed_statement_is_one_query_and_leaves_the_connection_idle(
+    pg_broker: Broker, observed: list[bytes]
+) -> None:
+    one = direct.Prepared("SELECT $1::int + 100", ["integer"])
+    for value in (1, 2):
+        fairy = pg_broker.engine.raw_connection()
+        try:
+            assert direct.execute_committed(fairy, pg_broker.engine, one, [value]) == [
+                (100 + value,)
+            ]
+            assert fairy.driver_connection.pgconn.transaction_status == 0  # PQTRANS_IDLE
+        finally:
+            fairy.close()
+    first, second = observed
+    assert first.startswith(b"PREPARE ") and first.endswith(b";COMMIT")
+    assert second.startswith(b"BEGIN;EXECUTE ") and second.endswith(b";COMMIT")
+
+
+def test_a_committed_statement_that_fails_is_rolled_back_and_raised(pg_broker: Broker) -> None:
+    """The error SQLAlchemy would raise; nothing of the transaction stays, and the connection
+    goes back to the pool clean (the next one on it works)."""
+    with pg_broker.engine.begin() as conn:
+        conn.execute(text("CREATE TABLE committed_probe (n int CHECK (n > 0))"))
+    insert = direct.Prepared(
+        "WITH i AS (INSERT INTO committed_probe VALUES ($1) RETURNING n) SELECT n FROM i",
+        ["integer"],
+    )
+    fairy = pg_broker.engine.raw_connection()
+    try:
+        with pytest.raises(sqlalchemy.exc.IntegrityError) as caught:
+            direct.execute_committed(fairy, pg_broker.engine, insert, [-1])
+        assert caught.value.orig.sqlstate == "23514"
+        assert not caught.value.connection_invalidated
+        assert fairy.driver_connection.pgconn.transaction_status == 0
+        assert direct.execute_committed(fairy, pg_broker.engine, insert, [5]) == [(5,)]
+    finally:
+        fairy.close()
+    with pg_broker.engine.connect() as conn:
+        assert conn.execute(text("SELECT n FROM committed_probe")).scalars().all() == [5]
+
+
+def test_a_committed_statement_on_a_killed_connection_invalidates_it(pg_broker: Broker) -> None:
+    one = direct.Prepared("SELECT $1::int", ["integer"])
+    fairy = pg_broker.engine.raw_connection()
+    try:
+        pid = fairy.driver_connection.info.backend_pid
+        with pg_broker.engine.connect() as other:
+            other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            other.commit()
+        time.sleep(0.2)
+        with pytest.raises(sqlalchemy.exc.OperationalError) as caught:
+            direct.execute_committed(fairy, pg_broker.engine, one, [1])
+        assert caught.value.connection_invalidated
+    finally:
+        fairy.close()
+    fairy = pg_broker.engine.raw_connection()
+    try:
+        assert fairy.driver_connection.info.backend_pid != pid
+        assert direct.execute_committed(fairy, pg_broker.engine, one, [2]) == [(2,)]
+    finally:
+        fairy.close()
+
+
+def test_broker_send_survives_a_server_that_keeps_no_prepared_statements(
+    pg_broker: Broker, observed: list[bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    declare_pair(pg_broker)
+    h = begin(pg_broker)
+    send(pg_broker, h, NOTE, b"first")  # the far endpoint exists from here on
+    pg_broker.send(h, NOTE, b"a")
+    with pg_broker.engine.connect() as conn:  # the pool's one connection, as a pooler would
+        conn.exec_driver_sql("DEALLOCATE ALL")
+        conn.commit()
+    pg_broker.send(h, NOTE, b"b")
+    pg_broker.send(h, NOTE, b"c")
+    assert "prepared statements do not last between transactions" in caplog.text
+    assert [m.message_body for m in receive(pg_broker, SUPPLIER_QUEUE)] == [
+        b"first",
+        b"a",
+        b"b",
+        b"c",
+    ]
+
+
+def test_a_first_send_that_takes_the_usual_way_leaves_its_statement_prepared(
+    pg_broker: Broker, observed: list[bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Broker.send on a dialog's first message: the fast path refuses (no far endpoint yet) in
+    the query that prepared its statement; the next Broker.send uses that statement."""
+    declare_pair(pg_broker)
+    send(pg_broker, begin(pg_broker), NOTE, b"other")  # this process knows the message type
+    h = begin(pg_broker)
+    observed.clear()
+    pg_broker.send(h, NOTE, b"first")
+    pg_broker.send(h, NOTE, b"second")
+    assert "prepared statements do not last" not in caplog.text
+    committed = [q for q in observed if q.endswith(b";COMMIT")]
+    assert len(committed) == 2
+    assert committed[0].startswith(b"PREPARE ")  # refused: the dialog's first message
+    assert committed[1].startswith(b"BEGIN;EXECUTE ")
+    got = [m.message_body for m in drain(pg_broker, SUPPLIER_QUEUE)]
+    assert sorted(got) == [b"first", b"other", b"second"]

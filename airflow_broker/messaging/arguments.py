@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from airflow_broker.errors import InvalidDefinition
@@ -29,3 +30,16 @@ def as_name(value: Any, what: str) -> str:
     if len(value) > 256:
         raise InvalidDefinition(f"{what} name {value[:40]!r}... is longer than 256 characters")
     return value
+
+
+def send_handles(handles: Handle | Sequence[Handle]) -> list[uuid.UUID]:
+    """A SEND's conversation handles as a list of UUIDs: at least one, none twice."""
+    if isinstance(handles, uuid.UUID | str):
+        handle_list = [as_uuid(handles, "conversation handle")]
+    else:
+        handle_list = [as_uuid(h, "conversation handle") for h in handles]
+    if not handle_list:
+        raise InvalidDefinition("SEND needs at least one conversation handle")
+    if len(set(handle_list)) != len(handle_list):
+        raise InvalidDefinition("SEND names the same conversation handle twice")
+    return handle_list

@@ -10,7 +10,7 @@ precisely what is wrong.
 
 from __future__ import annotations
 
-import uuid
+from collections.abc import Sequence
 from datetime import datetime
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -27,15 +27,19 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
+from airflow_broker import metrics
 from airflow_broker.constants import (
     STATUS_READY,
+    SYSTEM_MESSAGE_TYPES,
 )
 from airflow_broker.errors import MessageValidationError
-from airflow_broker.messaging.lookups import message_type_def
+from airflow_broker.messaging.arguments import Handle, send_handles
+from airflow_broker.messaging.lookups import known_message_type_def, message_type_def
 from airflow_broker.messaging.rows import precedence
-from airflow_broker.messaging.validation import VALIDATION_CODES, validate_body
+from airflow_broker.messaging.validation import VALIDATION_CODES, encode_body, validate_body
 from airflow_broker.storage import direct
 from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.endpoint_locks import ADVISORY_BUDGET
 
 if TYPE_CHECKING:
@@ -301,7 +305,7 @@ SEND_MANY_COMMITTING = direct.Prepared(
 
 def fast_args(
     broker: BrokerContext,
-    conn: Connection,
+    conn: Connection | None,
     message_type: str,
     payload: bytes | None,
     now: datetime,
@@ -310,8 +314,12 @@ def fast_args(
 ) -> list[Any] | None:
     """The fast path's arguments after the handle(s) (:data:`SEND_PARAMS`' order), or None
     when the message type is unknown or the body does not validate: the general path raises
-    that, after the checks that come first."""
-    mtype = message_type_def(broker, conn, message_type)
+    that, after the checks that come first. Without ``conn`` the message type is known only
+    if this process read it lately (None otherwise)."""
+    if conn is None:
+        mtype = known_message_type_def(broker, message_type)
+    else:
+        mtype = message_type_def(broker, conn, message_type)
     if mtype is None:
         return None
     validation, json_schema = mtype
@@ -329,34 +337,45 @@ def fast_args(
     ]
 
 
-def send_committing(
-    conn: Connection,
+def send_committed(
     broker: BrokerContext,
-    handles: list[uuid.UUID],
+    handles: Handle | Sequence[Handle],
     message_type: str,
-    payload: bytes | None,
-    now: datetime,
+    body: Any,
 ) -> bool:
-    """PostgreSQL, ``Broker.send``: SEND on ``handles`` by the fast path and COMMIT ``conn``'s
-    transaction (fresh, nothing done in it yet) in one query. True: sent and committed (the
-    caller ends SQLAlchemy's transaction, see :func:`airflow_broker.storage.direct.execute`).
-    False: nothing was sent or committed, and the transaction was rolled back; the caller SENDs
-    the usual way. Other errors are raised, the transaction in error."""
+    """``Broker.send`` on PostgreSQL: the SEND by the fast path and its COMMIT in one query,
+    on a pooled connection of its own (no Transaction, no SQLAlchemy Connection: they cost as
+    much client time as the rest). True: sent and committed. False: nothing was sent; the
+    caller SENDs the usual way, which says precisely what stands in the way (a dialog's first
+    message, a far queue disabled or in another database, retention, a type or body the fast
+    path does not take, more conversations than the advisory locks cover). Bad handles and
+    bodies raise here as they would there; other errors are raised, nothing committed."""
+    if (
+        broker.dialect != "postgresql"
+        or broker.client_role is not None
+        or message_type in SYSTEM_MESSAGE_TYPES
+    ):
+        return False
+    handle_list = send_handles(handles)
+    payload = encode_body(body)
     if payload is not None and len(payload) > direct.MAX_LITERAL_BODY:
         return False
-    if len(handles) > ADVISORY_BUDGET:  # the far endpoints would be row-locked: usual way
+    if len(handle_list) > ADVISORY_BUDGET:  # the far endpoints would be row-locked: usual way
         return False
-    args = fast_args(broker, conn, message_type, payload, now, row_lock=False)
+    args = fast_args(broker, None, message_type, payload, utcnow(), row_lock=False)
     if args is None:
         return False
-    single = len(handles) == 1
-    args.insert(0, handles[0] if single else handles)
+    single = len(handle_list) == 1
+    args.insert(0, handle_list[0] if single else handle_list)
     statement = SEND_ONE_COMMITTING if single else SEND_MANY_COMMITTING
+    fairy = broker.engine.raw_connection()
     try:
-        direct.execute(conn, statement, args, commit=True)
+        direct.execute_committed(fairy, broker.engine, statement, args)
     except DBAPIError as exc:
-        if getattr(exc.orig, "sqlstate", None) != NOT_ALL_SENT:
-            raise
-        conn.rollback()
-        return False
+        if getattr(exc.orig, "sqlstate", None) == NOT_ALL_SENT:
+            return False  # rolled back: nothing was sent
+        raise
+    finally:
+        fairy.close()
+    metrics.incr(metrics.MESSAGES_SENT, len(handle_list))
     return True

@@ -118,6 +118,13 @@ def message_type_def(
     return broker.cached_definition(("message_type", message_type), load)
 
 
+def known_message_type_def(broker: BrokerContext, message_type: str) -> tuple[str, Any] | None:
+    """:func:`message_type_def` as this process read it lately, without reading it: None when
+    there is no such type, or it was not read lately."""
+    value: tuple[str, Any] | None = broker.peek_definition(("message_type", message_type))
+    return value
+
+
 def contract_rule(
     broker: BrokerContext, conn: Connection, contract: str, message_type: str
 ) -> tuple[str, str, Any]:

@@ -36,7 +36,7 @@ from airflow_broker.errors import (
     UnknownObject,
 )
 from airflow_broker.messaging import dedupe
-from airflow_broker.messaging.arguments import Handle, as_name, as_uuid
+from airflow_broker.messaging.arguments import Handle, as_name, as_uuid, send_handles
 from airflow_broker.messaging.delivery import Delivery
 from airflow_broker.messaging.ending import Ending
 from airflow_broker.messaging.failure import record_failed_attempts
@@ -50,7 +50,6 @@ from airflow_broker.messaging.fast_send import (
     far_endpoints_unchanged,
     fast_args,
     on_fast_path,
-    send_committing,
     send_fast,
 )
 from airflow_broker.messaging.lookups import contract_rule, priority_for
@@ -247,7 +246,7 @@ class Transaction(Receiving, Ending):
         transaction) is skipped, the others get the message."""
         if dedupe_key is not None:
             dedupe.check_key(dedupe_key)
-        handle_list = _send_handles(handles)
+        handle_list = send_handles(handles)
         self._require_conversations(handle_list)
         if message_type in SYSTEM_MESSAGE_TYPES:
             raise ContractViolation(
@@ -276,37 +275,6 @@ class Transaction(Receiving, Ending):
                 self._give_back(dedupe_key, claimed)
             raise
         self._sent += len(handle_list)
-
-    def send_and_commit(
-        self,
-        handles: Handle | Sequence[Handle],
-        message_type: str = DEFAULT,
-        body: Any = None,
-        *,
-        dedupe_key: str | None = None,
-    ) -> None:
-        """:meth:`send`, then :meth:`commit` (``Broker.send``). On PostgreSQL, when nothing
-        else was done in this transaction and the fast path takes every conversation, the
-        COMMIT goes in the SEND's own query: one round trip."""
-        self._check_open()
-        b = self.broker
-        if (
-            b.dialect == "postgresql"
-            and b.client_role is None
-            and dedupe_key is None
-            and self._owned
-            and not self.connection.in_transaction()  # nothing done in this one yet
-            and message_type not in SYSTEM_MESSAGE_TYPES
-        ):
-            handle_list = _send_handles(handles)
-            payload = encode_body(body)
-            if send_committing(self.connection, b, handle_list, message_type, payload, utcnow()):
-                self.connection.commit()  # the server is idle: nothing is sent
-                self._sent += len(handle_list)
-                self._committed()
-                return
-        self.send(handles, message_type, body, dedupe_key=dedupe_key)
-        self.commit()
 
     def _claim_sends(
         self, handles: list[uuid.UUID], key: str, now: datetime
@@ -572,16 +540,3 @@ class Transaction(Receiving, Ending):
             queue_name=row.queue_name,
             timer_due_at=aware(row.timer_due_at),
         )
-
-
-def _send_handles(handles: Handle | Sequence[Handle]) -> list[uuid.UUID]:
-    """A SEND's conversation handles as a list of UUIDs: at least one, none twice."""
-    if isinstance(handles, uuid.UUID | str):
-        handle_list = [as_uuid(handles, "conversation handle")]
-    else:
-        handle_list = [as_uuid(h, "conversation handle") for h in handles]
-    if not handle_list:
-        raise InvalidDefinition("SEND needs at least one conversation handle")
-    if len(set(handle_list)) != len(handle_list):
-        raise InvalidDefinition("SEND names the same conversation handle twice")
-    return handle_list

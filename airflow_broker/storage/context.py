@@ -161,6 +161,15 @@ class BrokerContext:
             self._cache[key] = (now, value)
         return value
 
+    def peek_definition(self, key: Any) -> Any:
+        """What :meth:`cached_definition` holds for ``key`` while it is fresh, else None; reads
+        nothing."""
+        with self._cache_lock:
+            hit = self._cache.get(key)
+        if hit is not None and time.monotonic() - hit[0] < DEFINITION_CACHE_SECONDS:
+            return hit[1]
+        return None
+
     # -- due clock -----------------------------------------------------------------------------
     def note_due(self, at: datetime) -> None:
         """Something falls due at ``at`` (a timer, a lifetime, a retry): make sure RECEIVE's

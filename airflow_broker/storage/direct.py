@@ -43,7 +43,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.exc import DBAPIError
 
@@ -52,6 +52,14 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
 
 log = logging.getLogger(__name__)
+
+
+class _Invalidates(Protocol):
+    """What a lost connection is invalidated through: SQLAlchemy's Connection, or a pooled
+    connection of its own (``engine.raw_connection()``)."""
+
+    def invalidate(self, exception: BaseException | None = None, /) -> None: ...
+
 
 #: SQL the direct path ran: a hook for diagnostics (``bench.statements`` counts round trips).
 #: Called with the query's bytes and the seconds it took, or not at all when None.
@@ -132,12 +140,7 @@ def execute(
     raw: Any = fairy.driver_connection
     pgconn = raw.pgconn
     info = fairy.info
-    escaping = info.get("broker_escaping")
-    if escaping is None:
-        from psycopg import pq
-
-        escaping = info["broker_escaping"] = pq.Escaping(pgconn)
-    literals = [literal(escaping, a) for a in args]
+    literals = [literal(_escaping(info, raw), a) for a in args]
     begin = pgconn.transaction_status == _IDLE
     inline = conn.engine in _inline_engines
     if inline:
@@ -177,6 +180,61 @@ def execute(
         inlined = b"BEGIN;" + statement.inline(literals) + (b";COMMIT" if commit else b"")
         result = _run(conn, raw, inlined, pick=-2 if commit else -1)
     return _rows(info, raw, result)
+
+
+def execute_committed(
+    fairy: Any, engine: Engine, statement: Prepared, args: Sequence[Any]
+) -> list[tuple[Any, ...]]:
+    """Run ``statement`` with ``args`` in a transaction of its own, COMMIT included, in one
+    round trip, on a pooled connection that no SQLAlchemy Connection wraps (``fairy``, from
+    ``engine.raw_connection()``; the caller gives it back). Returns the statement's rows.
+
+    For a statement that is a whole transaction (``Broker.send``): SQLAlchemy's Connection and
+    transaction cost about as much client time as the rest of the SEND. On an error the
+    transaction is rolled back, so that the connection goes back to the pool clean, and the
+    error is raised as SQLAlchemy raises it; a lost connection is invalidated."""
+    raw: Any = fairy.driver_connection
+    info = fairy.info
+    literals = [literal(_escaping(info, raw), a) for a in args]
+    for attempt in (1, 2):
+        inline = engine in _inline_engines
+        prepared: set[str] = info.setdefault("broker_prepared", set())
+        new = not inline and statement.name not in prepared
+        if inline:
+            query = statement.inline(literals)
+        else:
+            query = b"EXECUTE " + statement.name.encode() + b"(" + b",".join(literals) + b")"
+        parts = [statement.prepare] if new else []
+        results = _results(fairy, raw, b";".join([*parts, b"BEGIN", query, b"COMMIT"]))
+        if new:
+            _note_prepared(prepared, statement, results)
+        failed = next((r for r in results if r.status not in _SUCCESS), None)
+        if failed is None:
+            return _rows(info, raw, results[-2])
+        if raw.pgconn.transaction_status != _IDLE:
+            _results(fairy, raw, b"ROLLBACK")
+        state = (failed.error_field(_SQLSTATE) or b"").decode()
+        if inline or state not in _NOT_KEPT or attempt == 2:
+            _raise(fairy, raw, query, failed)
+        log.warning(  # see execute(): a pooler that keeps no prepared statements
+            "%s: prepared statements do not last between transactions here (%s); the broker's "
+            "hot statements are sent whole from now on",
+            engine.url.render_as_string(hide_password=True),
+            (failed.error_message or b"").decode(errors="replace").strip(),
+        )
+        _inline_engines.add(engine)
+        prepared.clear()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _escaping(info: dict[str, Any], raw: Any) -> Any:
+    """The connection's ``psycopg.pq.Escaping``, kept in its pool ``info``."""
+    escaping = info.get("broker_escaping")
+    if escaping is None:
+        from psycopg import pq
+
+        escaping = info["broker_escaping"] = pq.Escaping(raw.pgconn)
+    return escaping
 
 
 def _rows(info: dict[str, Any], raw: Any, result: PGresult) -> list[tuple[Any, ...]]:
@@ -274,7 +332,7 @@ def _run(conn: Connection, raw: Any, query: bytes, *, pick: int = -1) -> PGresul
 
 
 def _checked(
-    conn: Connection, raw: Any, query: bytes, results: list[PGresult], *, pick: int
+    conn: _Invalidates, raw: Any, query: bytes, results: list[PGresult], *, pick: int
 ) -> PGresult:
     """``results[pick]``, once no result is an error (the first one is raised)."""
     for result in results:
@@ -292,7 +350,7 @@ def _note_prepared(prepared: set[str], statement: Prepared, results: list[PGresu
         prepared.add(statement.name)
 
 
-def _results(conn: Connection, raw: Any, query: bytes) -> list[PGresult]:
+def _results(conn: _Invalidates, raw: Any, query: bytes) -> list[PGresult]:
     """Send ``query`` and return every result, errors included (the server runs nothing of a
     simple query after its first error)."""
     pgconn = raw.pgconn
@@ -320,7 +378,7 @@ def _results(conn: Connection, raw: Any, query: bytes) -> list[PGresult]:
     return results
 
 
-def _raise(conn: Connection, raw: Any, query: bytes, result: PGresult) -> None:
+def _raise(conn: _Invalidates, raw: Any, query: bytes, result: PGresult) -> None:
     import psycopg
     from psycopg import errors
 
@@ -377,6 +435,8 @@ _INTRANS = 2
 CONNECTION_OK = 0
 COMMAND_OK = 1
 _SUCCESS = (COMMAND_OK, 2)
+#: libpq's PG_DIAG_SQLSTATE field code ('C').
+_SQLSTATE = ord("C")
 
 
 __all__ = [
@@ -389,6 +449,7 @@ __all__ = [
     "commit",
     "commit_then_execute",
     "execute",
+    "execute_committed",
     "flush",
     "literal",
     "observer",
