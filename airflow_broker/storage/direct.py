@@ -143,10 +143,7 @@ def execute(
     literals = [literal(_escaping(info, raw), a) for a in args]
     begin = pgconn.transaction_status == _IDLE
     inline = conn.engine in _inline_engines
-    if inline:
-        query = statement.inline(literals)
-    else:
-        query = b"EXECUTE " + statement.name.encode() + b"(" + b",".join(literals) + b")"
+    query = _statement_query(statement, literals, inline=inline)
     prepared: set[str] = info.setdefault("broker_prepared", set())
     new = not inline and statement.name not in prepared
     parts = [statement.prepare] if new else []
@@ -163,18 +160,8 @@ def execute(
         state = getattr(exc.orig, "sqlstate", None)
         if inline or state not in _NOT_KEPT or not begin or exc.connection_invalidated:
             raise
-        # The server did not keep what this connection prepared (or kept another's): a
-        # transaction-mode pooler such as PgBouncer hands each transaction another server
-        # process. This engine writes its statements out from now on; this transaction had
-        # done nothing yet, so it starts again.
-        log.warning(
-            "%s: prepared statements do not last between transactions here (%s); the broker's "
-            "hot statements are sent whole from now on",
-            conn.engine.url.render_as_string(hide_password=True),
-            exc.orig,
-        )
-        _inline_engines.add(conn.engine)
-        prepared.clear()
+        # This transaction had done nothing yet, so it starts again.
+        _stop_preparing(conn.engine, prepared, exc.orig)
         conn.rollback()
         conn.begin()
         inlined = b"BEGIN;" + statement.inline(literals) + (b";COMMIT" if commit else b"")
@@ -200,10 +187,7 @@ def execute_committed(
         inline = engine in _inline_engines
         prepared: set[str] = info.setdefault("broker_prepared", set())
         new = not inline and statement.name not in prepared
-        if inline:
-            query = statement.inline(literals)
-        else:
-            query = b"EXECUTE " + statement.name.encode() + b"(" + b",".join(literals) + b")"
+        query = _statement_query(statement, literals, inline=inline)
         parts = [statement.prepare] if new else []
         results = _results(fairy, raw, b";".join([*parts, b"BEGIN", query, b"COMMIT"]))
         if new:
@@ -216,15 +200,31 @@ def execute_committed(
         state = (failed.error_field(_SQLSTATE) or b"").decode()
         if inline or state not in _NOT_KEPT or attempt == 2:
             _raise(fairy, raw, query, failed)
-        log.warning(  # see execute(): a pooler that keeps no prepared statements
-            "%s: prepared statements do not last between transactions here (%s); the broker's "
-            "hot statements are sent whole from now on",
-            engine.url.render_as_string(hide_password=True),
-            (failed.error_message or b"").decode(errors="replace").strip(),
+        _stop_preparing(
+            engine, prepared, (failed.error_message or b"").decode(errors="replace").strip()
         )
-        _inline_engines.add(engine)
-        prepared.clear()
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _statement_query(statement: Prepared, literals: list[bytes], *, inline: bool) -> bytes:
+    """``statement`` with its arguments: ``EXECUTE name(...)``, or written whole (``inline``)."""
+    if inline:
+        return statement.inline(literals)
+    return b"EXECUTE " + statement.name.encode() + b"(" + b",".join(literals) + b")"
+
+
+def _stop_preparing(engine: Engine, prepared: set[str], why: object) -> None:
+    """The server did not keep what this connection prepared (or kept another's): a
+    transaction-mode pooler such as PgBouncer hands each transaction another server process.
+    ``engine`` writes its statements out from now on."""
+    log.warning(
+        "%s: prepared statements do not last between transactions here (%s); the broker's "
+        "hot statements are sent whole from now on",
+        engine.url.render_as_string(hide_password=True),
+        why,
+    )
+    _inline_engines.add(engine)
+    prepared.clear()
 
 
 def _escaping(info: dict[str, Any], raw: Any) -> Any:

@@ -31,6 +31,7 @@ from sqlalchemy import (
     column,
     text,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.elements import TextClause
 
 from airflow_broker.constants import PRECEDENCE_NORMAL
@@ -87,23 +88,11 @@ def claim_is_ordered(dialect: str) -> bool:
 #: PostgreSQL a claim that took nothing says whether the queue was enabled (its probe row).
 _ENABLED = "EXISTS (SELECT 1 FROM broker_queue qq WHERE qq.queue_id = :queue_id AND qq.status)"
 
-#: PostgreSQL: the SQL type of each of :data:`MESSAGE_COLUMNS`, for the probe row below.
-_PG_TYPES = {
-    "queuing_order": "bigint",
-    "conversation_group_id": "uuid",
-    "conversation_handle": "uuid",
-    "message_sequence_number": "bigint",
-    "priority": "smallint",
-    "precedence": "smallint",
-    "service_name": "varchar",
-    "service_contract_name": "varchar",
-    "message_type_name": "varchar",
-    "validation": "varchar",
-    "message_body": "bytea",
-    "receive_count": "integer",
-    "dead_letter": "text",
-}
-_PROBE_ROW = ", ".join(f"CAST(NULL AS {_PG_TYPES[c]})" for c in MESSAGE_COLUMNS)
+#: PostgreSQL: a row of :data:`MESSAGE_COLUMNS`, every one NULL of its type.
+_PROBE_ROW = ", ".join(
+    f"CAST(NULL AS {_COLUMN_TYPES[c].compile(dialect=postgresql.dialect())})"
+    for c in MESSAGE_COLUMNS
+)
 
 #: PostgreSQL: what a claim returns. The messages taken, in GROUP_ORDER; when it took none, a
 #: *probe row* (every column NULL; see :func:`is_probe`) if there is more to know than "nothing
