@@ -14,9 +14,17 @@ database:
   time); the triggerer's ``QueueActivationTrigger`` notices, the scheduler starts a run of the
   reader DAG ``latency_reader`` (``bench/dags/activation_latency.py``), whose task RECEIVEs the
   message and records when. Latency = first RECEIVE - committed SEND. One activation at a time:
-  the next SEND waits until no reader run is active, so every measurement is a fresh start.
+  the next SEND waits until no reader run is active, so every measurement is a fresh start, and
+  then a random delay (uniform over ``--jitter`` seconds, 1 s by default; seeded). Without it
+  the SENDs lock onto Airflow's loops: each one followed the last run's end by a nearly fixed
+  time, so it met the triggerer's once-a-second loop at nearly the same point every time, and
+  the triggerer's step measured about a constant set by the machine's speed (p50 0.37 s on
+  one machine; 0.68 s on the next, p95 0.85 s) instead of the spread a SEND from outside
+  Airflow meets (with the delays: p50 0.35 s, p95 0.92 s). With the delays, one run's
+  activation p50 went from 1.18 s to 0.85 s, and TriggerDagRunOperator's stayed at 2.1 s.
 - scheduler: the same deployment's latency for a plain ``TriggerDagRunOperator`` run: a task
   stamps the time and triggers ``latency_target``, whose first task records when it started.
+  Each run is triggered after the same random delays as the SENDs.
 
 The metadata database is a scratch PostgreSQL database (``--metadata sqlite`` for a SQLite
 file). Both latencies are mostly the scheduler's: its loop sleeps up to
@@ -35,10 +43,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import text
@@ -51,6 +61,8 @@ from tests.support.airflow_stack import AirflowStack, airflow_stack
 DAGS = Path(__file__).parent / "dags"
 QUEUE = "latency_q"
 GOAL_P50 = 2.0
+#: the seed of the delays before each SEND (the same delays in every run)
+JITTER_SEED = 16
 #: issue 16: cold activation at most half the scheduler's own start latency
 GOAL_VS_SCHEDULER = 0.5
 
@@ -98,18 +110,30 @@ def _send(broker: Broker) -> None:
         tx.end_conversation(h)
 
 
+def send_delays(jitter: float) -> Callable[[], None]:
+    """A pause before each SEND, uniform over ``jitter`` seconds (seeded: the same delays in
+    every run), so that SENDs meet Airflow's loops at any point of them, as SENDs from outside
+    Airflow do, instead of locking onto them one activation after another."""
+    delays = random.Random(JITTER_SEED)
+    return lambda: time.sleep(delays.uniform(0.0, jitter))
+
+
 def _idle(af: AirflowStack, dag_id: str) -> bool:
     return not [r for r in af.runs(dag_id) if r.state in ("queued", "running")]
 
 
-def measure(af: AirflowStack, broker: Broker, activations: int, plain: int) -> None:
+def measure(
+    af: AirflowStack, broker: Broker, activations: int, plain: int, jitter: float = 0.0
+) -> None:
     af.wait_for_dags("latency_reader", "latency_plain", "latency_target")
     # Warm up: the watcher's trigger is running once one activation went through.
     _send(broker)
     af.wait_for("the first activation", lambda: _count(broker, "activation") >= 1, timeout=240)
     af.wait_for("the reader to finish", lambda: _idle(af, "latency_reader"))
     base = _count(broker, "activation")
+    pause = send_delays(jitter)
     for i in range(activations):
+        pause()
         _send(broker)
         want = base + i + 1
         af.wait_for(
@@ -118,6 +142,7 @@ def measure(af: AirflowStack, broker: Broker, activations: int, plain: int) -> N
         af.wait_for("the reader to finish", lambda: _idle(af, "latency_reader"), every=0.1)
         print(f"  activation {i + 1}/{activations}", file=sys.stderr, flush=True)
     for i in range(plain):
+        pause()  # the same delays: the peer's run meets the scheduler's loop at any point too
         af.airflow("dags", "trigger", "latency_plain")
         af.wait_for(
             f"plain run {i + 1}", lambda w=i + 1: _count(broker, "scheduler") >= w, every=0.1
@@ -207,7 +232,15 @@ def main(argv: list[str] | None = None) -> int:
         help="[scheduler] scheduler_idle_sleep_time, seconds (Airflow's default: 1)",
     )
     p.add_argument("--metadata", choices=("postgres", "sqlite"), default="postgres")
+    p.add_argument(
+        "--jitter",
+        type=float,
+        default=1.0,
+        help="seconds: each SEND waits a random delay up to this long (0: none)",
+    )
     args = p.parse_args(argv)
+    if args.jitter < 0:
+        p.error(f"--jitter must be 0 or more, not {args.jitter}")
 
     server = ScratchServer()
     server.check()
@@ -227,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             tempfile.TemporaryDirectory() as tmp,
             airflow_stack(Path(tmp), DAGS, metadata_url=metadata, extra_env=env) as af,
         ):
-            measure(af, broker, args.activations, args.plain)
+            measure(af, broker, args.activations, args.plain, args.jitter)
             steps = _airflow_steps(af, broker)
         activation = _latencies(broker, "activation")[1:]  # without the warm-up
         execute = _latencies(broker, "activation_execute")[1:]
@@ -238,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"Airflow {airflow_version}, metadata {args.metadata}, LocalExecutor, "
-        f"scheduler_idle_sleep_time {args.scheduler_idle_sleep:g} s"
+        f"scheduler_idle_sleep_time {args.scheduler_idle_sleep:g} s, SENDs delayed by up to "
+        f"{args.jitter:g} s"
     )
     print(f"{'latency (s)':<34} {'n':>4} {'p50':>7} {'p95':>7} {'mean':>7}")
     for name, values in (

@@ -14,7 +14,9 @@ PostgreSQL databases, ``broker_default`` (near) and ``far``:
   the scheduler starts a run of ``broker_transmitter`` (``transmitter_dag()``, the one line a user
   writes), whose task delivers it. Latency = the message's ``enqueued_at`` in the far queue -
   committed SEND. One at a time: the next SEND waits until no transmitter run is active, so
-  every measurement is a fresh start (the worst case: a steady stream finds a run going).
+  every measurement is a fresh start (the worst case: a steady stream finds a run going), and
+  then a random delay of up to ``--jitter`` seconds, so that it meets Airflow's loops at any
+  point of them (see ``bench/activation.py``).
 - activation: the same deployment's activation latency of a local reader
   (``bench/dags/activation_latency.py``), as ``python -m bench.activation`` measures it.
 
@@ -40,7 +42,7 @@ from sqlalchemy import text
 from airflow_broker import Broker
 from airflow_broker.provider.compat import AIRFLOW_VERSION as airflow_version
 from bench._scratch import ScratchServer
-from bench.activation import _count, _latencies, _pct, _send, _setup_broker
+from bench.activation import _count, _latencies, _pct, _send, _setup_broker, send_delays
 from tests.support.airflow_stack import AirflowStack, airflow_stack
 
 HERE = Path(__file__).parent
@@ -83,14 +85,21 @@ def _idle(af: AirflowStack, dag_id: str) -> bool:
 
 
 def measure(
-    af: AirflowStack, near: Broker, far: Broker, dialogs: int, activations: int
+    af: AirflowStack,
+    near: Broker,
+    far: Broker,
+    dialogs: int,
+    activations: int,
+    jitter: float = 0.0,
 ) -> list[float]:
     af.wait_for_dags("broker_transmitter", "latency_reader")
     # Warm up: the first transmission and the first activation start their triggers' work.
     _send_far(near)
     af.wait_for("the first transmission", lambda: len(_arrivals(far)) >= 1, timeout=240)
     af.wait_for("the transmitter to finish", lambda: _idle(af, "broker_transmitter"))
+    pause = send_delays(jitter)
     for i in range(dialogs):
+        pause()
         _send_far(near)
         af.wait_for(f"transmission {i + 1}", lambda w=i + 2: len(_arrivals(far)) >= w, every=0.05)
         af.wait_for("the transmitter to finish", lambda: _idle(af, "broker_transmitter"), every=0.1)
@@ -99,6 +108,7 @@ def measure(
     af.wait_for("the first activation", lambda: _count(near, "activation") >= 1, timeout=240)
     af.wait_for("the reader to finish", lambda: _idle(af, "latency_reader"))
     for i in range(activations):
+        pause()
         _send(near)
         af.wait_for(
             f"activation {i + 1}", lambda w=i + 2: _count(near, "activation") >= w, every=0.05
@@ -113,7 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.transmit", description=__doc__)
     p.add_argument("--dialogs", type=int, default=50)
     p.add_argument("--activations", type=int, default=20)
+    p.add_argument(
+        "--jitter",
+        type=float,
+        default=1.0,
+        help="seconds: each SEND waits a random delay up to this long (0: none)",
+    )
     args = p.parse_args(argv)
+    if args.jitter < 0:
+        p.error(f"--jitter must be 0 or more, not {args.jitter}")
 
     server = ScratchServer()
     server.check()
@@ -139,14 +157,17 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy(HERE / "dags_transmit" / "transmitter.py", dags)
             shutil.copy(HERE / "dags" / "activation_latency.py", dags)
             with airflow_stack(Path(tmp), dags, metadata_url=metadata, extra_env=env) as af:
-                transmit = measure(af, near, far, args.dialogs, args.activations)
+                transmit = measure(af, near, far, args.dialogs, args.activations, args.jitter)
         activation = _latencies(near, "activation")[1:]
         near.dispose()
         far.dispose()
     finally:
         server.drop_all()
 
-    print(f"Airflow {airflow_version}, metadata postgres, LocalExecutor, Airflow's defaults")
+    print(
+        f"Airflow {airflow_version}, metadata postgres, LocalExecutor, Airflow's defaults, "
+        f"SENDs delayed by up to {args.jitter:g} s"
+    )
     print(f"{'latency (s)':<40} {'n':>4} {'p50':>7} {'p95':>7} {'mean':>7}")
     for name, values in (
         ("SEND -> far queue (transmitter)", transmit),
