@@ -20,8 +20,9 @@ database:
   time, so it met the triggerer's once-a-second loop at nearly the same point every time, and
   the triggerer's step measured about a constant set by the machine's speed (p50 0.37 s on
   one machine; 0.68 s on the next, p95 0.85 s) instead of the spread a SEND from outside
-  Airflow meets (with the delays: p50 0.35 s, p95 0.92 s). With the delays, one run's
-  activation p50 went from 1.18 s to 0.85 s, and TriggerDagRunOperator's stayed at 2.1 s.
+  Airflow meets (with the delays: p50 0.35 and 0.45 s, p95 0.92 s). The same code's
+  activation p50 was 1.18 s without the delays and 0.85 and 0.96 s in two runs with them;
+  TriggerDagRunOperator's was 2.09 to 2.11 s in all three.
 - scheduler: the same deployment's latency for a plain ``TriggerDagRunOperator`` run: a task
   stamps the time and triggers ``latency_target``, whose first task records when it started.
   Each run is triggered after the same random delays as the SENDs.
