@@ -107,15 +107,24 @@ class BrokerConsumer:
             self.tx = None
         return done
 
-    def close(self) -> None:
-        """Commit what is held, dispose of the engine. Only a deep queue's rounds end with a
-        batch held (taken off the backlog by the last COMMIT's RECEIVE, beyond the last round's
-        count), and the rig drops the database next. A rollback would count as a failed
-        hand-out: with five readers holding one, poison handling disabled the queue and logged
-        an error that was the bench's, not the broker's."""
-        if self.tx is not None and not self.tx.ended:
-            self.tx.commit()
+    def end_round(self) -> int:
+        """Commit the batch held, if any, and return its size. Only a deep queue's rounds end
+        with one: the last COMMIT's RECEIVE took it off the backlog, beyond the round's count.
+        Held into the next round, its transaction kept the group locked and held back VACUUM's
+        horizon through the next round's vacuum and SENDs. Rolled back, it would count as a
+        failed hand-out: with five readers holding one, poison handling disabled the queue and
+        logged an error that was the bench's, not the broker's."""
+        if self.tx is None or self.tx.ended:
+            self.tx = None
+            return 0
+        self.tx.commit()
         self.tx = None
+        held, self.held = self.held, 0
+        return held
+
+    def close(self) -> None:
+        """Dispose of the engine (:meth:`end_round` left nothing held)."""
+        self.end_round()
         self.broker.dispose()
 
 

@@ -92,6 +92,10 @@ class PgmqConsumer:
             self.queue.archive_batch(PGMQ_QUEUE, [m.msg_id for m in msgs], conn=conn)
             return len(msgs)
 
+    def end_round(self) -> int:
+        """Nothing is held between two consumes."""
+        return 0
+
     def close(self) -> None:
         """Close the pool."""
         self.pool.close()
@@ -144,6 +148,10 @@ class PgmqPopConsumer:
             return 0 if got is None else 1
         assert isinstance(got, list)
         return len(got)
+
+    def end_round(self) -> int:
+        """Nothing is held between two pops."""
+        return 0
 
     def close(self) -> None:
         """Close the connection."""

@@ -68,6 +68,11 @@ class Consumer(Protocol):
     def receive(self) -> int:
         """Consume up to ``Workload.batch`` messages in one transaction; return how many."""
 
+    def end_round(self) -> int:
+        """The round's messages are all consumed: commit what this consumer still holds, so
+        that no transaction stays open between rounds; return how many messages that took
+        off the queue (beyond the round's count)."""
+
     def close(self) -> None:
         """Release connections."""
 

@@ -42,7 +42,9 @@ configuration of ``--backlog-readers`` (default: every reader count) clones it (
 runs the usual rounds beside the empty-queue systems: the round's messages are sent on top of
 the N waiting and the readers drain as many from the head (FIFO: they take the oldest), so the
 queue stays N deep. The readers' last transactions may take up to (readers - 1) x batch beyond
-the round's count; the receive time is scaled to the round's count.
+the round's count, and an airflow-broker reader ends a round holding the batch its last COMMIT
+received (``commit_and_receive``), which it commits when the round is over (untimed: no
+transaction stays open into the next round); the receive time is scaled to the round's count.
 
 Output: the table (one row per configuration; ``backlog`` 0 is the empty queue), a scaling table
 (msgs/s per system and backlog by reader count), then one line per target,
