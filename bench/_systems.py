@@ -78,7 +78,8 @@ class Consumer(Protocol):
 
 
 class AsyncConsumer(Protocol):
-    """A :class:`Consumer` for asyncio-only clients (pgqueuer's dequeue is async)."""
+    """A :class:`Consumer` for asyncio-only clients (pgqueuer's dequeue is async). Its
+    receive commits what it took, so it holds nothing between rounds (no ``end_round``)."""
 
     async def open(self) -> None:
         """Connect (inside the reader's event loop)."""

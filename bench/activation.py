@@ -119,6 +119,23 @@ def send_delays(jitter: float) -> Callable[[], None]:
     return lambda: time.sleep(delays.uniform(0.0, jitter))
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value:g}")
+    return value
+
+
+def add_jitter(p: argparse.ArgumentParser) -> None:
+    """``--jitter``: the longest delay :func:`send_delays` waits before a SEND."""
+    p.add_argument(
+        "--jitter",
+        type=_seconds,
+        default=1.0,
+        help="seconds: each SEND waits a random delay up to this long (0: none)",
+    )
+
+
 def _idle(af: AirflowStack, dag_id: str) -> bool:
     return not [r for r in af.runs(dag_id) if r.state in ("queued", "running")]
 
@@ -233,15 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         help="[scheduler] scheduler_idle_sleep_time, seconds (Airflow's default: 1)",
     )
     p.add_argument("--metadata", choices=("postgres", "sqlite"), default="postgres")
-    p.add_argument(
-        "--jitter",
-        type=float,
-        default=1.0,
-        help="seconds: each SEND waits a random delay up to this long (0: none)",
-    )
+    add_jitter(p)
     args = p.parse_args(argv)
-    if args.jitter < 0:
-        p.error(f"--jitter must be 0 or more, not {args.jitter}")
 
     server = ScratchServer()
     server.check()

@@ -5,6 +5,7 @@ Run from the repository root::
     python -m bench.delivery                          # 1,000 dialogs x 10 messages, 3 rounds
     python -m bench.delivery --dialogs 2000           # the issue's size (slower)
     python -m bench.delivery --profile 25             # + cProfile of deliver()
+    python -m bench.delivery --statements 15          # + time per SQL statement of deliver()
 
 What is measured: messages per second that ``Broker.deliver()`` moves from broker database A to
 broker database B on the same PostgreSQL server, batched (``Transport.BATCH`` messages per push),
@@ -71,6 +72,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -78,6 +80,7 @@ import psycopg
 
 from bench import _delivery_floor as floor
 from bench._scratch import Database, ScratchServer, quiesce
+from bench._statement_times import StatementTimes
 
 MASTER_KEY_ENV = "AIRFLOW_BROKER_MASTER_KEY"
 
@@ -277,7 +280,12 @@ class Pair:
         self.dbs.append(db)
         return db
 
-    def deliver(self, total: int, profile: cProfile.Profile | None) -> tuple[Timed, dict[str, int]]:
+    def deliver(
+        self,
+        total: int,
+        profile: cProfile.Profile | None,
+        times: StatementTimes | None = None,
+    ) -> tuple[Timed, dict[str, int]]:
         """``a.deliver()`` until A's transmission queue is empty (timed); checked afterwards."""
         sums = dict.fromkeys(REPORT_FIELDS, 0)
         passes = 0
@@ -288,7 +296,8 @@ class Pair:
                 profile.enable()
             start = time.perf_counter()
             while True:
-                report = self.a.deliver()
+                with times.timing() if times is not None else nullcontext():
+                    report = self.a.deliver()
                 passes += 1
                 for name in REPORT_FIELDS:
                     sums[name] += int(getattr(report, name))
@@ -366,6 +375,7 @@ def run_round(
     batch: int,
     results: Results,
     profile: cProfile.Profile | None,
+    times: StatementTimes | None = None,
 ) -> None:
     """One fresh pair of databases: the broker and the floor, in alternating order."""
     total = loaded.total
@@ -375,7 +385,7 @@ def run_round(
 
         def broker_part() -> None:
             quiesce(pair.db_a, pair.db_b)
-            run, sums = pair.deliver(total, profile)
+            run, sums = pair.deliver(total, profile, times)
             results.add(BROKER, run)
             results.reports.append(sums)
             _say(
@@ -510,6 +520,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(the broker's timings then include the profiler's overhead)",
     )
     p.add_argument(
+        "--statements",
+        type=int,
+        default=0,
+        metavar="N",
+        help="time every SQL statement of deliver() (plain dialogs) and print the N costliest",
+    )
+    p.add_argument(
         "--url",
         default=None,
         help="server URL (default: $BROKER_BENCH_POSTGRES_URL or local postgres)",
@@ -540,6 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = ScratchServer(args.url)
     server.check()
     profile = cProfile.Profile() if args.profile else None
+    times = StatementTimes() if args.statements else None
     results = Results()
     started = time.perf_counter()
     _say(
@@ -560,7 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for index in range(args.rounds):
             if index % 2:
                 run_secure(server, secure, index, results)
-            run_round(server, loaded, index, batch, results, profile)
+            run_round(server, loaded, index, batch, results, profile, times)
             if not index % 2:
                 run_secure(server, secure, index, results)
     finally:
@@ -571,6 +589,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     if profile is not None:
         _print_profile(profile, args.profile)
+    if times is not None:
+        _say(f"\n--- SQL statements of deliver(), plain dialogs, {args.rounds} rounds ---")
+        _say(times.report(args.statements))
     _say(f"\n(total wall time {time.perf_counter() - started:.0f}s)")
     return 0
 

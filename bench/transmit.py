@@ -42,7 +42,15 @@ from sqlalchemy import text
 from airflow_broker import Broker
 from airflow_broker.provider.compat import AIRFLOW_VERSION as airflow_version
 from bench._scratch import ScratchServer
-from bench.activation import _count, _latencies, _pct, _send, _setup_broker, send_delays
+from bench.activation import (
+    _count,
+    _latencies,
+    _pct,
+    _send,
+    _setup_broker,
+    add_jitter,
+    send_delays,
+)
 from tests.support.airflow_stack import AirflowStack, airflow_stack
 
 HERE = Path(__file__).parent
@@ -123,15 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.transmit", description=__doc__)
     p.add_argument("--dialogs", type=int, default=50)
     p.add_argument("--activations", type=int, default=20)
-    p.add_argument(
-        "--jitter",
-        type=float,
-        default=1.0,
-        help="seconds: each SEND waits a random delay up to this long (0: none)",
-    )
+    add_jitter(p)
     args = p.parse_args(argv)
-    if args.jitter < 0:
-        p.error(f"--jitter must be 0 or more, not {args.jitter}")
 
     server = ScratchServer()
     server.check()
