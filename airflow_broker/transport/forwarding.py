@@ -11,7 +11,6 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -100,8 +99,7 @@ class Forwarder:
                 )
                 continue
             held_as[i] = p
-            onward[i] = replace(
-                p,
+            onward[i] = p._replace(
                 hops=p.hops + 1,
                 to_broker_instance=p.to_broker_instance or decision.broker_instance,
             )
