@@ -180,6 +180,8 @@ class _Taker:
         self.sequences: list[dict[str, Any]] = []
         self.bindings: list[dict[str, Any]] = []
         self.acked: list[tuple[uuid.UUID, int]] = []
+        #: (contract, message type) -> its rule here, or why there is none
+        self.rules: dict[tuple[str, str], tuple[str, str, Any] | BrokerError] = {}
         #: sequence number -> validation code, of the conversation being taken
         self.validation: dict[int, str] = {}
         #: dialog security: endpoints whose dialog is secure; session keys agreed now
@@ -247,10 +249,11 @@ class _Taker:
             self.bindings,
             only_if_null=("far_broker_instance",),
         )
-        bulk.delete_rows(
+        bulk.delete_runs(
             self.conn,
             s.transmission_queue,
-            ("conversation_handle", "message_sequence_number"),
+            "conversation_handle",
+            "message_sequence_number",
             self.acked,
         )
 
@@ -503,12 +506,19 @@ class _Taker:
     def _check_in(self, contract: str, p: Packet) -> tuple[int, str] | None:
         if p.message_type in SYSTEM_MESSAGE_TYPES:
             return None
-        try:
-            sent_by, validation, schema_ = contract_rule(
-                self.b, self.conn, contract, p.message_type
-            )
-        except BrokerError as exc:
-            return ERR_MESSAGE_INVALID, f"at broker instance {self.me}: {exc}"
+        key = (contract, p.message_type)
+        rule = self.rules.get(key)
+        if rule is None:
+            # Once a transaction: a batch's messages share a few types, and the broker's cache
+            # of definitions takes a lock and reads the clock on every look-up.
+            try:
+                rule = contract_rule(self.b, self.conn, contract, p.message_type)
+            except BrokerError as exc:
+                rule = exc
+            self.rules[key] = rule
+        if isinstance(rule, BrokerError):
+            return ERR_MESSAGE_INVALID, f"at broker instance {self.me}: {rule}"
+        sent_by, validation, schema_ = rule
         side = "initiator" if p.from_initiator else "target"
         if sent_by not in (side, "any"):
             return (

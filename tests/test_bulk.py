@@ -1,0 +1,111 @@
+"""storage.bulk: the set-based writes of the delivery path write what one INSERT or DELETE per
+row would, on both engines and on both sides of PostgreSQL's COPY threshold."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+
+from airflow_broker import Broker
+from airflow_broker.storage import bulk
+from airflow_broker.storage import schema as s
+
+NOW = datetime(2026, 11, 27, 8, 30, 0, 123456, tzinfo=UTC)
+
+
+def _messages(n: int) -> list[dict[str, object]]:
+    """``n`` message rows over conversations of ten, with every kind of value a row holds:
+    NULL and empty bodies, bytes of every value, far sequence numbers, times with micros."""
+    rows: list[dict[str, object]] = []
+    for i in range(n):
+        if i % 10 == 0:
+            handle, group = uuid.uuid4(), uuid.uuid4()
+        rows.append(
+            {
+                "queue_id": 1 + i % 3,
+                "conversation_group_id": group,
+                "conversation_handle": handle,
+                "message_sequence_number": 2**40 + i,
+                "status": 1 if i % 7 else 0,
+                "priority": i % 10 + 1,
+                "precedence": i % 3,
+                "service_name": f"//bulk/service/é{i % 4}",
+                "service_contract_name": "DEFAULT",
+                "message_type_name": "t'\"\\,{}" if i % 5 == 0 else "DEFAULT",
+                "validation": "N",
+                "message_body": None if i % 9 == 0 else bytes(range(256))[: i % 257],
+                "enqueued_at": NOW + timedelta(microseconds=i),
+            }
+        )
+    return rows
+
+
+def _stored(b: Broker, handles: set[object]) -> list[dict[str, object]]:
+    m = s.message
+    columns = [m.c[c] for c in _messages(1)[0]]
+    with b.engine.connect() as conn:
+        rows = conn.execute(select(*columns).order_by(m.c.queuing_order)).all()
+    out = [dict(r._mapping) for r in rows if r.conversation_handle in handles]
+    for r in out:  # SQLite gives naive UTC times back
+        at = r["enqueued_at"]
+        assert isinstance(at, datetime)
+        r["enqueued_at"] = at if at.tzinfo else at.replace(tzinfo=UTC)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, bulk.COPY_ROWS - 1, bulk.COPY_ROWS, 523])
+def test_insert_rows_writes_every_value_as_given(broker: Broker, n: int) -> None:
+    rows = _messages(n)
+    with broker.engine.begin() as conn:
+        bulk.insert_rows(conn, s.message, rows)
+    assert _stored(broker, {r["conversation_handle"] for r in rows}) == rows
+
+
+def test_insert_rows_is_all_or_nothing_and_raises_what_sqlalchemy_raises(
+    pg_broker: Broker,
+) -> None:
+    """A duplicate key in a batch big enough to COPY: an IntegrityError, as for a statement
+    (the inbound accept retries on it), and none of the batch written."""
+    group = uuid.uuid4()
+    rows = [
+        {"conversation_group_id": uuid.uuid4(), "queue_id": 1} for _ in range(bulk.COPY_ROWS + 20)
+    ]
+    rows[-1]["conversation_group_id"] = rows[0]["conversation_group_id"] = group
+    g = s.conversation_group
+    with (
+        pytest.raises(IntegrityError, match="broker_conversation_group"),
+        pg_broker.engine.begin() as conn,
+    ):
+        bulk.insert_rows(conn, g, rows)
+    with pg_broker.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(g)).scalar() == 0
+        # and the connection went back to the pool usable
+        assert conn.execute(select(1)).scalar() == 1
+
+
+def test_delete_runs_deletes_exactly_the_pairs(broker: Broker) -> None:
+    rows = _messages(40)
+    with broker.engine.begin() as conn:
+        bulk.insert_rows(conn, s.message, rows)
+    handles = sorted({r["conversation_handle"] for r in rows}, key=str)
+    seqs = {
+        h: [r["message_sequence_number"] for r in rows if r["conversation_handle"] == h]
+        for h in handles
+    }
+    # runs with gaps, a repeated pair, a pair that matches nothing, one conversation untouched
+    gone = [(handles[0], seqs[handles[0]][i]) for i in (0, 1, 2, 5, 6, 9)]
+    gone += [(handles[1], seqs[handles[1]][3]), (handles[1], seqs[handles[1]][3])]
+    gone += [(handles[2], q) for q in seqs[handles[2]]] + [(handles[2], 7)]
+    m = s.message
+    with broker.engine.begin() as conn:
+        bulk.delete_runs(conn, m, "conversation_handle", "message_sequence_number", gone)
+    left = {
+        (r["conversation_handle"], r["message_sequence_number"])
+        for r in _stored(broker, set(handles))
+    }
+    every = {(r["conversation_handle"], r["message_sequence_number"]) for r in rows}
+    assert left == every - set(gone)
