@@ -202,12 +202,22 @@ def delete_runs(
     if conn.dialect.name != "postgresql":
         delete_rows(conn, table, (key, number), pairs)
         return
+    # Grouped by key in a dict, numbers sorted per key: sorting the pairs would compare keys
+    # (UUIDs compare in Python) a dozen times a pair.
+    numbers: dict[Any, list[int]] = {}
+    for k, n in pairs:
+        numbers.setdefault(k, []).append(n)
     runs: list[list[Any]] = []
-    for k, n in sorted(set(pairs)):
-        if runs and runs[-1][0] == k and runs[-1][2] == n - 1:
-            runs[-1][2] = n
-        else:
-            runs.append([k, n, n])
+    for k, ns in numbers.items():
+        ns.sort()
+        run = [k, ns[0], ns[0]]
+        runs.append(run)
+        for n in ns[1:]:
+            if n == run[2] + 1:
+                run[2] = n
+            elif n > run[2]:  # a repeated number is in the run already
+                run = [k, n, n]
+                runs.append(run)
     conn.execute(
         _delete_runs_sql(table, key, number),
         {"k": [r[0] for r in runs], "first": [r[1] for r in runs], "last": [r[2] for r in runs]},

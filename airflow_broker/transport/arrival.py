@@ -1,5 +1,6 @@
-"""What an arriving message does to its endpoint here: the state it leads to, a secure
-dialog's body opened, a conversation failed by what arrived (or by dialog security)."""
+"""What an arriving message does to its endpoint here: whether it is accepted, the state it
+leads to, a secure dialog's body opened, a conversation failed by what arrived (or by dialog
+security)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,83 @@ from typing import Any
 from sqlalchemy import update
 from sqlalchemy.engine import Connection
 
-from airflow_broker.constants import END_DIALOG, ERROR, SENDABLE_STATES
+from airflow_broker.constants import (
+    END_DIALOG,
+    ERR_MESSAGE_INVALID,
+    ERROR,
+    SENDABLE_STATES,
+    SYSTEM_MESSAGE_TYPES,
+)
+from airflow_broker.errors import BrokerError, ContractViolation, MessageValidationError
+from airflow_broker.messaging.lookups import Hosted, contract_rule, hosted_services, priority_for
 from airflow_broker.messaging.objects import error_body
 from airflow_broker.messaging.rows import drop_waiting, insert_message
+from airflow_broker.messaging.validation import VALIDATION_CODES, validate_body
 from airflow_broker.security import dialogs
 from airflow_broker.security.crypto import SecurityFailure
 from airflow_broker.storage import schema as s
+from airflow_broker.storage.context import BrokerContext
 from airflow_broker.transport.packets import Packet
 
 log = logging.getLogger("airflow_broker")
+
+
+class Definitions:
+    """The definitions arriving messages are taken by, read once a transaction of the accept:
+    a batch's messages share a few types and services, and the broker's cache of definitions
+    takes a lock and reads the clock on every look-up (it was once a message)."""
+
+    def __init__(self, broker: BrokerContext, conn: Connection, me: str) -> None:
+        self.b = broker
+        self.conn = conn
+        self.me = me
+        #: (contract, message type) -> its rule here, or why there is none
+        self._rules: dict[tuple[str, str], tuple[str, str, Any] | BrokerError] = {}
+        self._hosted: dict[str, Hosted] | None = None
+        #: (contract, this service, far service) -> the priority of a new endpoint
+        self._priorities: dict[tuple[str, str, str], int] = {}
+
+    def hosted(self) -> dict[str, Hosted]:
+        if self._hosted is None:
+            self._hosted = hosted_services(self.b, self.conn)
+        return self._hosted
+
+    def priority(self, contract: str, local: str, remote: str) -> int:
+        key = (contract, local, remote)
+        prio = self._priorities.get(key)
+        if prio is None:
+            prio = self._priorities[key] = priority_for(self.b, self.conn, *key)
+        return prio
+
+    def check(self, contract: str, p: Packet) -> tuple[tuple[int, str] | None, str | None]:
+        """Whether this broker accepts the message: its type in the contract, sent by the right
+        side, and a body that its type here validates. Returns (why not: an Error's code and
+        description, or None; the validation code the body passed, None for system types)."""
+        if p.message_type in SYSTEM_MESSAGE_TYPES:
+            return None, None
+        key = (contract, p.message_type)
+        rule = self._rules.get(key)
+        if rule is None:
+            try:
+                rule = contract_rule(self.b, self.conn, contract, p.message_type)
+            except BrokerError as exc:
+                rule = exc
+            self._rules[key] = rule
+        if isinstance(rule, BrokerError):
+            return (ERR_MESSAGE_INVALID, f"at broker instance {self.me}: {rule}"), None
+        sent_by, validation, schema_ = rule
+        side = "initiator" if p.from_initiator else "target"
+        if sent_by not in (side, "any"):
+            why = (
+                f"contract {contract!r} lets only the {sent_by} send message type "
+                f"{p.message_type!r}"
+            )
+            return (ERR_MESSAGE_INVALID, why), None
+        try:
+            validate_body(p.message_type, validation, schema_, p.body)
+        except (MessageValidationError, ContractViolation) as exc:
+            return (ERR_MESSAGE_INVALID, f"discarded at broker instance {self.me}: {exc}"), None
+        return None, VALIDATION_CODES[validation]
 
 
 def opened(key: bytes, p: Packet) -> Packet:

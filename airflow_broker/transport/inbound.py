@@ -21,19 +21,16 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from airflow_broker.constants import (
     END_DIALOG,
     ERR_CONTRACT_NOT_SUPPORTED,
-    ERR_MESSAGE_INVALID,
     ERR_SERVICE_NOT_FOUND,
     ERROR,
     SENDABLE_STATES,
     STATUS_NOT_COMPLETE,
     STATUS_READY,
-    SYSTEM_MESSAGE_TYPES,
 )
-from airflow_broker.errors import BrokerError, ContractViolation, MessageValidationError
-from airflow_broker.messaging.lookups import contract_rule, hosted_services, priority_for
+from airflow_broker.errors import BrokerError
+from airflow_broker.messaging.lookups import hosted_services
 from airflow_broker.messaging.objects import error_body
 from airflow_broker.messaging.rows import precedence
-from airflow_broker.messaging.validation import VALIDATION_CODES, validate_body
 from airflow_broker.security import dialogs
 from airflow_broker.security.crypto import SecurityFailure
 from airflow_broker.storage import bulk
@@ -41,7 +38,7 @@ from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.storage.identity import copy_refusal
-from airflow_broker.transport.arrival import fail_endpoint, next_state, opened
+from airflow_broker.transport.arrival import Definitions, fail_endpoint, next_state, opened
 from airflow_broker.transport.forwarding import Forwarder
 from airflow_broker.transport.packets import (
     ACK,
@@ -180,8 +177,7 @@ class _Taker:
         self.sequences: list[dict[str, Any]] = []
         self.bindings: list[dict[str, Any]] = []
         self.acked: list[tuple[uuid.UUID, int]] = []
-        #: (contract, message type) -> its rule here, or why there is none
-        self.rules: dict[tuple[str, str], tuple[str, str, Any] | BrokerError] = {}
+        self.defs = Definitions(broker, conn, instance_id)
         #: sequence number -> validation code, of the conversation being taken
         self.validation: dict[int, str] = {}
         #: dialog security: endpoints whose dialog is secure; session keys agreed now
@@ -191,9 +187,18 @@ class _Taker:
 
     def run(self, packets: Sequence[Packet], indexes: list[int]) -> None:
         e = s.conversation_endpoint
-        keys = sorted(
-            {(packets[i].conversation_id, not packets[i].from_initiator) for i in indexes}
-        )
+        # The batch by conversation (this side's key), in one pass: its messages, its
+        # acknowledgments and its notices.
+        by_conversation: dict[tuple[uuid.UUID, bool], tuple[list[int], list[int], list[int]]] = {}
+        for i in indexes:
+            p = packets[i]
+            key = (p.conversation_id, not p.from_initiator)
+            kinds = by_conversation.get(key)
+            if kinds is None:
+                kinds = by_conversation[key] = ([], [], [])
+            kinds[0 if p.kind == MESSAGE else 1 if p.kind == ACK else 2].append(i)
+        keys = list(by_conversation)
+        # Locked in handle order (ORDER BY below FOR UPDATE), whatever the order of the keys.
         stmt = select(e).order_by(e.c.conversation_handle)
         if self.b.dialect == "postgresql":  # one array per key: the same statement every batch
             k = bulk.keys_table("k", {"cid": Uuid(), "ini": Boolean()}, keys)
@@ -204,30 +209,21 @@ class _Taker:
         endpoints = {
             (r.conversation_id, r.is_initiator): dict(r._mapping) for r in self.conn.execute(stmt)
         }
-        with_messages = {
-            (packets[i].conversation_id, not packets[i].from_initiator)
-            for i in indexes
-            if packets[i].kind == MESSAGE
-        }
-        receiving = [ep["conversation_handle"] for k, ep in endpoints.items() if k in with_messages]
+        receiving = [
+            ep["conversation_handle"]
+            for key, ep in endpoints.items()
+            if by_conversation[key][0]  # with messages
+        ]
         held = self._held(receiving)
         self.keyed = dialogs.keyed(self.conn, receiving)
-        by_conversation: dict[tuple[uuid.UUID, bool], list[int]] = defaultdict(list)
-        for i in indexes:
-            p = packets[i]
-            by_conversation[(p.conversation_id, not p.from_initiator)].append(i)
-        for key, idx in by_conversation.items():
+        for key, (messages, acks, notices) in by_conversation.items():
             ep = endpoints.get(key)
-            acks = [i for i in idx if packets[i].kind == ACK]
-            notices = [i for i in idx if packets[i].kind == NOTICE]
-            messages = sorted(
-                (i for i in idx if packets[i].kind == MESSAGE), key=lambda i: packets[i].seq
-            )
             if ep is not None and acks:
                 self._acks(ep, [packets[i] for i in acks])
             if ep is not None and notices:
                 self._notice(ep, packets[notices[0]])
             if messages:
+                messages.sort(key=lambda i: packets[i].seq)
                 self._messages(ep, packets, messages, held)
         self._write()
 
@@ -378,7 +374,7 @@ class _Taker:
                     failure = (exc.code, exc.reason)
                     self._fail_back(p, *failure)
                     break
-            failure = self._check(ep, p)
+            failure = self._check(ep["contract_name"], p)
             if failure is not None:
                 self._fail_back(p, *failure)
                 break
@@ -498,47 +494,19 @@ class _Taker:
             "enqueued_at": self.now,
         }
 
-    def _check(self, ep: dict[str, Any], p: Packet) -> tuple[int, str] | None:
-        """Whether this broker accepts the message: its type in the contract, sent by the right
-        side, and a body that its type here validates."""
-        return self._check_in(ep["contract_name"], p)
-
-    def _check_in(self, contract: str, p: Packet) -> tuple[int, str] | None:
-        if p.message_type in SYSTEM_MESSAGE_TYPES:
-            return None
-        key = (contract, p.message_type)
-        rule = self.rules.get(key)
-        if rule is None:
-            # Once a transaction: a batch's messages share a few types, and the broker's cache
-            # of definitions takes a lock and reads the clock on every look-up.
-            try:
-                rule = contract_rule(self.b, self.conn, contract, p.message_type)
-            except BrokerError as exc:
-                rule = exc
-            self.rules[key] = rule
-        if isinstance(rule, BrokerError):
-            return ERR_MESSAGE_INVALID, f"at broker instance {self.me}: {rule}"
-        sent_by, validation, schema_ = rule
-        side = "initiator" if p.from_initiator else "target"
-        if sent_by not in (side, "any"):
-            return (
-                ERR_MESSAGE_INVALID,
-                f"contract {contract!r} lets only the {sent_by} send message type "
-                f"{p.message_type!r}",
-            )
-        try:
-            validate_body(p.message_type, validation, schema_, p.body)
-        except (MessageValidationError, ContractViolation) as exc:
-            return ERR_MESSAGE_INVALID, f"discarded at broker instance {self.me}: {exc}"
-        # RECEIVE shows how this broker validated the body.
-        self.validation[p.seq] = VALIDATION_CODES[validation]
-        return None
+    def _check(self, contract: str, p: Packet) -> tuple[int, str] | None:
+        """Whether this broker accepts the message (:meth:`Definitions.check`); RECEIVE shows
+        how this broker validated the body."""
+        failure, code = self.defs.check(contract, p)
+        if code is not None:
+            self.validation[p.seq] = code
+        return failure
 
     def _new_endpoint(
         self, first: Packet, indexes: list[int], packets: Sequence[Packet]
     ) -> dict[str, Any] | None:
         """The target endpoint a dialog's first message to arrive here creates."""
-        hosted = hosted_services(self.b, self.conn).get(first.to_service)
+        hosted = self.defs.hosted().get(first.to_service)
         if hosted is None:
             self.notes[indexes[0]] = (
                 DROPPED,
@@ -561,14 +529,14 @@ class _Taker:
             return None
         if first.seq == 0:
             # A dialog whose first message is refused leaves nothing behind here.
-            failure = self._check_in(first.contract, first)
+            failure = self._check(first.contract, first)
             if failure is not None:
                 self._fail_back(first, *failure)
                 for i in indexes[1:]:
                     self.notes[i] = (DROPPED, "an earlier message of its conversation was refused")
                 return None
         handle, group = uuid.uuid4(), uuid.uuid4()
-        prio = priority_for(self.b, self.conn, first.contract, first.to_service, first.from_service)
+        prio = self.defs.priority(first.contract, first.to_service, first.from_service)
         ep = {
             "conversation_handle": handle,
             "conversation_id": first.conversation_id,
