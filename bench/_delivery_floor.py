@@ -10,13 +10,16 @@ between two databases has to do at least:
 3. DELETE them from A and COMMIT on A (B first, then A: a row is never lost, only possibly
    duplicated by a crash between the two commits, which an idempotent insert then absorbs).
 
-Two ways to do step 2, both plain psycopg 3 (binary parameters and results, prepared
-statements), and the faster one is the floor:
+Three ways to do step 2, all plain psycopg 3 (binary parameters and results, prepared
+statements), and the fastest one is the floor:
 
 - ``unnest``: ``INSERT INTO t (...) SELECT * FROM unnest(%s::bigint[], %s::uuid[], ...)``, one
   statement with one array per column;
 - ``executemany``: ``cursor.executemany(INSERT ... VALUES (%s, ...))`` inside
-  ``conn.pipeline()``, one statement per row but no round trip between them.
+  ``conn.pipeline()``, one statement per row but no round trip between them;
+- ``copy``: ``COPY t (...) FROM STDIN (FORMAT BINARY)``, the rows written by psycopg's
+  ``Copy.write_row`` (in C); the broker's accept COPYs its large batches too
+  (``airflow_broker/storage/bulk.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ SNAPSHOT = "bench_copy_snapshot"
 SOURCE = "bench_copy_src"
 TARGET = "bench_copy_dst"
 QUEUE_TABLE = "broker_transmission_queue"
-METHODS = ("unnest", "executemany")
+METHODS = ("unnest", "executemany", "copy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +101,18 @@ def _columns(conn: psycopg.Connection, table: str) -> list[tuple[str, str]]:
     ).fetchall()
 
 
+def _type_oids(conn: psycopg.Connection, table: str) -> list[int]:
+    """The type OIDs of ``table``'s columns, in order (what a binary COPY is written in)."""
+    return [
+        int(r[0])
+        for r in conn.execute(
+            "SELECT atttypid FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
+            "AND NOT attisdropped ORDER BY attnum",
+            (table,),
+        )
+    ]
+
+
 def count(db: Database, table: str) -> int:
     """Rows in ``table``."""
     with psycopg.connect(db.conninfo) as conn:
@@ -121,6 +136,10 @@ def copy(a: Database, b: Database, batch: int, method: str) -> CopyResult:
             names, sql.Identifier(SOURCE)
         )
         delete = sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(sql.Identifier(SOURCE))
+        copy_in = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
+            sql.Identifier(TARGET), names
+        )
+        oids = _type_oids(cb, TARGET)
         if method == "unnest":
             insert = sql.SQL("INSERT INTO {} ({}) SELECT * FROM unnest({})").format(
                 sql.Identifier(TARGET),
@@ -149,6 +168,11 @@ def copy(a: Database, b: Database, batch: int, method: str) -> CopyResult:
                 break
             if method == "unnest":
                 cur_b.execute(insert, [list(col) for col in zip(*rows, strict=True)], prepare=True)
+            elif method == "copy":
+                with cur_b.copy(copy_in) as cp:
+                    cp.set_types(oids)
+                    for r in rows:
+                        cp.write_row(r)
             else:
                 with cb.pipeline():
                     cur_b.executemany(insert, rows)

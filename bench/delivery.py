@@ -36,8 +36,8 @@ Timed, in each round (the order of the two alternates between rounds):
   up (delivered = acknowledged = messages, nothing delayed, failed or discarded) and B's
   target queue must then hold exactly dialogs x messages messages.
 - floor: the same rows (a snapshot of A's transmission queue taken before delivery, all its
-  columns) copied from a table in A to an equivalent table in B, with both insert methods of
-  ``bench/_delivery_floor.py``; the faster one's median is the floor.
+  columns) copied from a table in A to an equivalent table in B, with the three insert methods of
+  ``bench/_delivery_floor.py``; the fastest one's median is the floor.
 
 Before every timed part the databases are ``VACUUM ANALYZE``d (the dev server runs with
 autovacuum off) and a ``CHECKPOINT`` is taken, so no part pays for the previous one's writes.
@@ -461,7 +461,7 @@ def format_table(results: Results, batch: int) -> str:
 
 
 def ratio_lines(results: Results) -> list[str]:
-    """The target line (broker median / the faster floor's median) and info lines."""
+    """The target line (broker median / the fastest floor's median) and info lines."""
     broker = results.median(BROKER).rate
     floors = {
         m: results.median(_floor_name(m)).rate
@@ -471,7 +471,7 @@ def ratio_lines(results: Results) -> list[str]:
     best = max(floors, key=lambda m: floors[m])
     lines = [
         f"target {TARGET_NAME}: {broker / floors[best]:.2f} (goal >= {GOAL})",
-        f"info {TARGET_NAME}: floor = {best} copy, {floors[best]:,.0f} msgs/s; "
+        f"info {TARGET_NAME}: floor = {best}, {floors[best]:,.0f} msgs/s; "
         + ", ".join(f"vs {m}: {broker / rate:.2f}" for m, rate in floors.items()),
     ]
     if SECURE in results.runs:
