@@ -4,6 +4,10 @@ SQLAlchemy's cursor events on every engine: the wall time from just before a sta
 until its result is back (the round trip and the server's work), summed per statement text,
 only while a part is being timed. COMMITs go through the DB-API, not a cursor, and are left
 out; what the statements do not cover is the client's own time, and the commits.
+
+The engine's COPYs (``airflow_broker.storage.bulk``) run on the driver's cursor, which
+SQLAlchemy's events do not see: they are timed by wrapping the one function that runs them, the
+rows' conversion included, as the events include the parameters'.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
+
+from airflow_broker.storage import bulk
 
 #: characters of a statement's text that name it in the table
 NAME_LENGTH = 90
@@ -31,6 +37,20 @@ class StatementTimes:
         self._on = False
         event.listen(Engine, "before_cursor_execute", self._before)
         event.listen(Engine, "after_cursor_execute", self._after)
+        copy_rows = bulk._copy_rows
+
+        def timed_copy(conn: Any, table: Any, columns: tuple[str, ...], rows: Any) -> None:
+            started = time.perf_counter()
+            try:
+                copy_rows(conn, table, columns, rows)
+            finally:
+                if self._on:
+                    self._add(
+                        f"COPY {table.name} ({', '.join(columns)}) FROM STDIN",
+                        time.perf_counter() - started,
+                    )
+
+        bulk._copy_rows = timed_copy  # bench-only instrumentation, for this process
 
     def _before(self, conn: Any, _cursor: Any, *_args: Any) -> None:
         conn.info["bench_statement_started"] = time.perf_counter()
@@ -38,9 +58,12 @@ class StatementTimes:
     def _after(self, conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         started = conn.info.pop("bench_statement_started", None)
         if self._on and started is not None:
-            name = " ".join(statement.split())[:NAME_LENGTH]
-            self.counts[name] += 1
-            self.seconds[name] += time.perf_counter() - started
+            self._add(statement, time.perf_counter() - started)
+
+    def _add(self, statement: str, seconds: float) -> None:
+        name = " ".join(statement.split())[:NAME_LENGTH]
+        self.counts[name] += 1
+        self.seconds[name] += seconds
 
     @contextmanager
     def timing(self) -> Iterator[None]:
