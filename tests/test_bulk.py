@@ -72,6 +72,16 @@ def test_insert_rows_writes_every_value_as_given(
     assert _stored(broker, {r["conversation_handle"] for r in rows}) == rows
 
 
+def test_insert_rows_first_on_a_connection_is_committed_by_its_commit(broker: Broker) -> None:
+    """``connect()``, ``insert_rows``, ``commit()``: the rows stay, though no statement began
+    the connection's transaction (a COPY is not one SQLAlchemy sees)."""
+    rows = _messages(3)
+    with broker.engine.connect() as conn:
+        bulk.insert_rows(conn, s.message, rows)
+        conn.commit()
+    assert _stored(broker, {r["conversation_handle"] for r in rows}) == rows
+
+
 def test_insert_rows_is_all_or_nothing_and_raises_what_sqlalchemy_raises(
     pg_broker: Broker,
 ) -> None:

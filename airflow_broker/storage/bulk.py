@@ -118,6 +118,10 @@ def _copy_rows(
 
     statement = f"COPY {table.name} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)"
     types = [_pg_type(table.c[c].type) for c in columns]
+    if not conn.in_transaction():
+        # SQLAlchemy begins a transaction when a statement runs; a COPY on the driver's cursor
+        # is none, and a commit() that follows would find nothing begun to commit.
+        conn.begin()
     driver = conn.connection.driver_connection
     assert isinstance(driver, psycopg.Connection), "COPY needs psycopg 3"
     try:
