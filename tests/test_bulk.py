@@ -7,7 +7,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import BigInteger, Column, MetaData, Table, func, select
 from sqlalchemy.exc import IntegrityError
 
 from airflow_broker import Broker
@@ -80,6 +80,14 @@ def test_insert_rows_first_on_a_connection_is_committed_by_its_commit(broker: Br
         bulk.insert_rows(conn, s.message, rows)
         conn.commit()
     assert _stored(broker, {r["conversation_handle"] for r in rows}) == rows
+
+
+def test_insert_rows_of_one_column(broker: Broker) -> None:
+    scratch = Table("bulk_one_column", MetaData(), Column("n", BigInteger, nullable=False))
+    with broker.engine.begin() as conn:
+        scratch.create(conn)
+        bulk.insert_rows(conn, scratch, [{"n": n} for n in (3, 1, 2**40)])
+        assert sorted(conn.execute(select(scratch.c.n)).scalars()) == [1, 3, 2**40]
 
 
 def test_insert_rows_is_all_or_nothing_and_raises_what_sqlalchemy_raises(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache
+from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import (
@@ -127,8 +128,9 @@ def _copy_rows(
     try:
         with driver.cursor() as cur, cur.copy(statement) as copy:
             copy.set_types(types)
+            row_of = itemgetter(*columns) if len(columns) > 1 else lambda r: (r[columns[0]],)
             for r in rows:
-                copy.write_row([r[c] for c in columns])
+                copy.write_row(row_of(r))
     except psycopg.Error as exc:
         # As SQLAlchemy raises it for a statement (an IntegrityError for a duplicate key...):
         # callers catch those, not psycopg's own.
