@@ -57,8 +57,8 @@ What the broker adds to the floor: per batch the copy writes the rows once and d
 The broker does that too, and on top: a target endpoint and conversation group for every new dialog,
 the far endpoints' sequence numbers, the target queue's three indexes and its NOTIFY trigger,
 routing, and the acknowledgments applied at the sender (binding the far broker instance). Each of
-those is one set-based statement per batch (``airflow_broker/bulk.py``); what is left is server
-work the copy does not have.
+those is one set-based statement or COPY per batch (``airflow_broker/storage/bulk.py``); what is
+left is server work the copy does not have, and the broker's Python.
 """
 
 from __future__ import annotations
