@@ -92,8 +92,8 @@ def _update_sql(
 
 def insert_rows(conn: Connection, table: Table, rows: Sequence[dict[str, Any]]) -> None:
     """INSERT ``rows`` (dicts with the same keys) into ``table``. On PostgreSQL a binary COPY
-    in the connection's transaction; ``INSERT ... SELECT FROM unnest(arrays)`` on tables with
-    row-level security, where PostgreSQL refuses COPY FROM; executemany elsewhere.
+    in the connection's transaction where COPY can write the table (:func:`_copyable`), else
+    ``INSERT ... SELECT FROM unnest(arrays)``; executemany elsewhere.
 
     psycopg writes a COPY row in C and dumps an array parameter element by element in Python,
     and a COPY skips SQLAlchemy's statement handling. Measured on the dev machine (client and
@@ -106,10 +106,32 @@ def insert_rows(conn: Connection, table: Table, rows: Sequence[dict[str, Any]]) 
         conn.execute(insert(table), list(rows))
         return
     columns = tuple(rows[0])
-    if table.info.get("row_security"):
-        conn.execute(_insert_sql(table, columns), {c: [r[c] for r in rows] for c in columns})
+    if _copyable(conn, table):
+        _copy_rows(conn, table, columns, rows)
         return
-    _copy_rows(conn, table, columns, rows)
+    conn.execute(_insert_sql(table, columns), {c: [r[c] for r in rows] for c in columns})
+
+
+_COPYABLE = text(
+    "SELECT c.relkind IN ('r', 'p') AND NOT c.relrowsecurity FROM pg_catalog.pg_class c "
+    "WHERE c.oid = pg_catalog.to_regclass(:name)"
+)
+
+
+def _copyable(conn: Connection, table: Table) -> bool:
+    """Whether COPY FROM can write ``table``'s name on this connection: a table, where a
+    restricted role (:mod:`airflow_broker.storage.client_schema`) sees the broker's tables as
+    views of its own schema, which COPY cannot write; without row-level security, where
+    PostgreSQL refuses COPY FROM (the inbox tables). Asked once per database connection and
+    table name (its role and search path do not change)."""
+    key = ("airflow_broker.bulk.copyable", table.name)
+    known = conn.info.get(key)
+    if known is None:
+        known = conn.execute(_COPYABLE, {"name": table.name}).scalar()
+        if known is None:
+            return False  # no such relation (yet): the INSERT says so
+        conn.info[key] = known
+    return bool(known)
 
 
 def _copy_rows(

@@ -95,8 +95,6 @@ inbox = Table(
     Column("packets", LargeBinary, nullable=False),
     Column("pushed_at", Timestamp, nullable=False),
     comment="Batches pushed by peers that may only deliver, waiting for this broker to accept.",
-    # row-level security (migration 0012): COPY FROM is refused there (storage.bulk)
-    info={"row_security": True},
 )
 
 inbox_answer = Table(
@@ -109,6 +107,4 @@ inbox_answer = Table(
     Column("answers", LargeBinary, nullable=False),
     Column("answered_at", Timestamp, nullable=False),
     comment="What this broker answered to batches from its inbox, for their pusher to collect.",
-    # row-level security (migration 0012): COPY FROM is refused there (storage.bulk)
-    info={"row_security": True},
 )
