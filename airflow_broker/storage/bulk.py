@@ -1,9 +1,11 @@
-"""Set-based reads and writes of many rows: one statement on PostgreSQL, executemany elsewhere.
+"""Set-based reads and writes of many rows: one statement or COPY on PostgreSQL, executemany
+elsewhere.
 
-On PostgreSQL, ``INSERT ... SELECT FROM unnest(arrays)`` and ``UPDATE ... FROM unnest(arrays)``
-send a batch of rows as one array per column: one statement, one round trip and one plan,
-whatever the number of rows (psycopg's pipelined executemany still runs one statement per row on
-the server). The delivery path between brokers writes every batch this way. Look-ups by many
+On PostgreSQL, new rows go by binary COPY (:func:`insert_rows`), and ``UPDATE ... FROM
+unnest(arrays)`` and ``DELETE ... USING unnest(arrays)`` send a batch as one array per column:
+one statement, one round trip and one plan, whatever the number of rows (psycopg's pipelined
+executemany still runs one statement per row on the server). The delivery path between brokers
+writes every batch this way. Look-ups by many
 keys take them as arrays too (:func:`any_of`, :func:`keys_table`): SQLAlchemy spells ``IN`` a
 list of parameters, a new statement text for every length, which psycopg parsed and the server
 planned again each time (1.7 ms of a 0.5 ms look-up for a batch of 50 conversations).
