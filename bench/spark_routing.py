@@ -11,6 +11,10 @@ from templates, once per system, and each system moves the backlog:
   any Spark design;
 - ``scratch copy``: the same read written into an unindexed scratch table of the far database
   instead: a stricter floor than any broker can reach, printed for comparison;
+- ``executor copy``: the plain copy's rows, each partition in conversation order, written into
+  ``broker_message`` by ``COPY`` from the executors (:func:`jdbc.copy_table`, the job's own way
+  of writing): what a job that wrote every message once, straight into the queue, would be held
+  to; printed for comparison;
 - ``python``: ``Broker.deliver()`` passes until the transmission queue is empty.
 
 The SparkSession is started (and warmed on a small run) before any timing, as a worker that
@@ -116,10 +120,11 @@ def spark_job(spark: SparkSession, partitions: int) -> Callable[[Database, Datab
 
 
 def plain_copy(
-    spark: SparkSession, partitions: int, *, scratch: bool
+    spark: SparkSession, partitions: int, *, scratch: bool = False, executors: bool = False
 ) -> Callable[[Database, Database], int]:
     """The pending rows copied by Spark JDBC into the far broker's queue table (``scratch``:
-    into the unindexed ``bench_copy`` instead)."""
+    into the unindexed ``bench_copy`` instead; ``executors``: by COPY from the executors, each
+    partition in conversation order, as the job writes)."""
 
     def go(src: Database, dst: Database) -> int:
         source = Broker.connect(src.sqlalchemy_url)
@@ -149,7 +154,11 @@ def plain_copy(
                 F.col("message_body"),
                 F.current_timestamp().alias("enqueued_at"),
             )
-        jdbc.write_table(df, dst.sqlalchemy_url, table, partitions=partitions)
+        if executors:
+            df = df.sortWithinPartitions("conversation_group_id", "message_sequence_number")
+            jdbc.copy_table(df, dst.sqlalchemy_url, table)
+        else:
+            jdbc.write_table(df, dst.sqlalchemy_url, table, partitions=partitions)
         source.dispose()
         with target.engine.connect() as conn:
             n = conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one()
@@ -194,8 +203,9 @@ def main() -> None:
     spark.sparkContext.setLogLevel("ERROR")
     systems: dict[str, Callable[[Database, Database], int]] = {
         "spark job": spark_job(spark, args.partitions),
-        "plain copy": plain_copy(spark, args.partitions, scratch=False),
+        "plain copy": plain_copy(spark, args.partitions),
         "scratch copy": plain_copy(spark, args.partitions, scratch=True),
+        "executor copy": plain_copy(spark, args.partitions, executors=True),
         "python": python_path,
     }
     names = list(systems)
@@ -241,14 +251,15 @@ def main() -> None:
     print()
     print(f"median of {args.rounds} rounds, msgs/s")
     print(
-        f"{'size':>10} {'spark job':>12} {'plain copy':>12} {'scratch':>12} {'python':>12} "
-        f"{'job/copy':>9} {'job/scratch':>12} {'job/python':>11} {'job us/msg':>11}"
+        f"{'size':>10} {'spark job':>12} {'plain copy':>12} {'scratch':>12} {'exec copy':>12} "
+        f"{'python':>12} {'job/copy':>9} {'job/scratch':>12} {'job/exec':>9} {'job/python':>11} "
+        f"{'job us/msg':>11}"
     )
     for size in sizes:
-        j, c, sc, py = (results[(n, size)] for n in names)
+        j, c, sc, ex, py = (results[(n, size)] for n in names)
         print(
-            f"{size:>10,} {j:>12,.0f} {c:>12,.0f} {sc:>12,.0f} {py:>12,.0f} {j / c:>9.2f} "
-            f"{j / sc:>12.2f} {j / py:>11.2f} {1e6 / j:>11.1f}"
+            f"{size:>10,} {j:>12,.0f} {c:>12,.0f} {sc:>12,.0f} {ex:>12,.0f} {py:>12,.0f} "
+            f"{j / c:>9.2f} {j / sc:>12.2f} {j / ex:>9.2f} {j / py:>11.2f} {1e6 / j:>11.1f}"
         )
     big, mid = sizes[-1], sizes[-2] if len(sizes) > 1 else sizes[-1]
     j_big = results[("spark job", big)]
@@ -259,6 +270,11 @@ def main() -> None:
     print(
         f"compare spark_job_vs_scratch_copy_{big}: "
         f"{j_big / results[('scratch copy', big)]:.2f} (an unindexed table: no broker's floor)"
+    )
+    print(
+        f"compare spark_job_vs_executor_copy_{big}: "
+        f"{j_big / results[('executor copy', big)]:.2f} (COPY from the executors into the queue "
+        f"table: a job writing each message once)"
     )
     print(f"target spark_job_vs_python_{big}: {j_big / results[('python', big)]:.2f} (goal >= 1.0)")
     print(
