@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import BigInteger, Column, MetaData, Table, func, select, text
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, PendingRollbackError
 
 from airflow_broker import Broker
 from airflow_broker.storage import bulk
@@ -142,6 +142,31 @@ def test_insert_rows_is_all_or_nothing_and_raises_what_sqlalchemy_raises(
         assert conn.execute(select(func.count()).select_from(g)).scalar() == 0
         # and the connection went back to the pool usable
         assert conn.execute(select(1)).scalar() == 1
+
+
+def test_a_copy_on_a_lost_connection_invalidates_it(pg_broker: Broker) -> None:
+    """The server ends the connection (a crash, a restart, an operator's
+    pg_terminate_backend) before a COPY: the error says the connection was invalidated, as for
+    a statement, the transaction must be rolled back, and the pool hands out a working one."""
+    queue_id = _queue_id(pg_broker)
+    rows = [{"conversation_group_id": uuid.uuid4(), "queue_id": queue_id} for _ in range(3)]
+    g = s.conversation_group
+    with pg_broker.engine.connect() as conn:
+        bulk.insert_rows(conn, g, rows[:1])  # what COPY may write is known on this connection
+        conn.rollback()
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        conn.rollback()
+        with pg_broker.engine.connect() as other:
+            other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(DBAPIError) as raised:
+            bulk.insert_rows(conn, g, rows)
+        assert raised.value.connection_invalidated
+        assert conn.invalidated
+        with pytest.raises(PendingRollbackError):
+            conn.execute(select(1))
+        conn.rollback()
+    with pg_broker.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(g)).scalar() == 0
 
 
 def test_delete_runs_deletes_exactly_the_pairs(broker: Broker) -> None:

@@ -13,10 +13,10 @@ planned again each time (1.7 ms of a 0.5 ms look-up for a batch of 50 conversati
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     ARRAY,
@@ -136,13 +136,25 @@ def _copyable(conn: Connection, table: Table) -> bool:
     return bool(known)
 
 
+@cache
+def _copy_plan(
+    table: Table, columns: tuple[str, ...]
+) -> tuple[str, list[str], Callable[[dict[str, Any]], tuple[Any, ...]]]:
+    """The COPY statement of ``columns``, their PostgreSQL types, and a row's values in order."""
+    statement = f"COPY {table.name} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)"
+    types = [_pg_type(table.c[c].type) for c in columns]
+    if len(columns) > 1:
+        return statement, types, itemgetter(*columns)
+    only = columns[0]
+    return statement, types, lambda r: (r[only],)
+
+
 def _copy_rows(
     conn: Connection, table: Table, columns: tuple[str, ...], rows: Sequence[dict[str, Any]]
 ) -> None:
     import psycopg  # PostgreSQL only: the engine runs on SQLite without it
 
-    statement = f"COPY {table.name} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)"
-    types = [_pg_type(table.c[c].type) for c in columns]
+    statement, types, row_of = _copy_plan(table, columns)
     if not conn.in_transaction():
         # SQLAlchemy begins a transaction when a statement runs; a COPY on the driver's cursor
         # is none, and a commit() that follows would find nothing begun to commit.
@@ -152,13 +164,18 @@ def _copy_rows(
     try:
         with driver.cursor() as cur, cur.copy(statement) as copy:
             copy.set_types(types)
-            row_of = itemgetter(*columns) if len(columns) > 1 else lambda r: (r[columns[0]],)
             for r in rows:
                 copy.write_row(row_of(r))
     except psycopg.Error as exc:
-        # As SQLAlchemy raises it for a statement (an IntegrityError for a duplicate key...):
-        # callers catch those, not psycopg's own.
-        raise DBAPIError.instance(statement, None, exc, psycopg.Error) from exc
+        # As SQLAlchemy raises it for a statement: an IntegrityError for a duplicate key (callers
+        # catch those, not psycopg's own), and a lost server connection invalidated, so that
+        # the pool does not hand it out again and the transaction must be rolled back.
+        lost = conn.dialect.is_disconnect(cast(Any, exc), conn.connection, None)
+        if lost:
+            conn.invalidate(exc)
+        raise DBAPIError.instance(
+            statement, None, exc, psycopg.Error, connection_invalidated=lost
+        ) from exc
 
 
 def update_rows(
