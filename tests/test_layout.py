@@ -167,6 +167,42 @@ def test_the_engine_imports_without_airflow() -> None:
     assert done.stdout.strip() == "ok False"
 
 
+def test_the_provider_entry_point_does_not_load_the_engine() -> None:
+    """Airflow calls ``airflow_broker.provider.get_provider_info`` in every process that reads its
+    configuration (each ``airflow`` command, the scheduler, each DAG processor): that import
+    must not load the engine. The public names still come from the package, on first use."""
+    program = (
+        "import sys\n"
+        "from airflow_broker.provider import get_provider_info\n"
+        "get_provider_info()\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('airflow_broker'))\n"
+        "print(loaded)\n"
+        "from airflow_broker import Broker, Message, ERROR, __all__\n"
+        "import airflow_broker\n"
+        "assert all(getattr(airflow_broker, n) is not None for n in __all__)\n"
+        "assert Broker.__module__ == 'airflow_broker.broker'\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    loaded, ok = done.stdout.strip().splitlines()
+    assert loaded == str(
+        [
+            "airflow_broker",
+            "airflow_broker._moved",
+            "airflow_broker.provider",
+            "airflow_broker.provider.info",
+        ]
+    )
+    assert ok == "ok"
+    import airflow_broker
+
+    with pytest.raises(AttributeError, match="has no attribute 'Brokr'"):
+        airflow_broker.Brokr  # noqa: B018
+
+
 def _jar_version() -> str:
     import pyspark
 
