@@ -145,6 +145,15 @@ def test_a_stored_trigger_classpath_of_the_flat_layout_loads() -> None:
     assert cls is QueueActivationTrigger
 
 
+def _python(program: str) -> str:
+    """What ``program`` prints, run by a fresh interpreter (which must succeed)."""
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
 def test_the_engine_imports_without_airflow() -> None:
     """The engine, in a process where importing airflow fails."""
     program = (
@@ -160,11 +169,7 @@ def test_the_engine_imports_without_airflow() -> None:
         "b.migrate()\n"
         "print('ok', 'airflow' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok False"
+    assert _python(program) == "ok False"
 
 
 def test_the_provider_entry_point_does_not_load_the_engine() -> None:
@@ -183,11 +188,7 @@ def test_the_provider_entry_point_does_not_load_the_engine() -> None:
         "assert Broker.__module__ == 'airflow_broker.broker'\n"
         "print('ok')\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    loaded, ok = done.stdout.strip().splitlines()
+    loaded, ok = _python(program).splitlines()
     assert loaded == str(
         [
             "airflow_broker",
