@@ -119,7 +119,10 @@ def test_with_max_receives_the_queue_is_never_disabled(broker: Broker) -> None:
 
 
 def test_backoff_doubles_up_to_the_max(broker: Broker) -> None:
-    broker.alter_queue(SUPPLIER_QUEUE, retry_delay=0.4, retry_delay_max=1.0)
+    # While the failed group waits, another conversation's message is received: the SEND and
+    # RECEIVE of that check must fit in the first wait, with room for a loaded CI machine
+    # (0.4 s was once not enough there).
+    broker.alter_queue(SUPPLIER_QUEUE, retry_delay=0.8, retry_delay_max=2.0)
     h = begin(broker)
     other = begin(broker)
     times: list[float] = []
@@ -134,7 +137,7 @@ def test_backoff_doubles_up_to_the_max(broker: Broker) -> None:
         send(broker, other, NOTE, b"unaffected")
         assert [m.message_body for m in receive(broker, SUPPLIER_QUEUE)] == [b"unaffected"]
     gaps = [b - a for a, b in itertools.pairwise(times)]
-    expected = [0.4, 0.8, 1.0, 1.0]
+    expected = [0.8, 1.6, 2.0, 2.0]
     for gap, want in zip(gaps, expected, strict=True):
         assert want - 0.05 <= gap <= want + 0.8, (gaps, expected)
 
