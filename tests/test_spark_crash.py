@@ -34,7 +34,9 @@ BIN = Path(sys.executable).parent
 Network = Callable[..., Net]
 
 
-def spark_submit(net: Net, pause_at: str | None = None) -> subprocess.Popen[str]:
+def spark_submit(
+    net: Net, pause_at: str | None = None, *, master: str = "local[2]", args: tuple[str, ...] = ()
+) -> subprocess.Popen[str]:
     env = {
         **os.environ,
         "PYSPARK_PYTHON": sys.executable,
@@ -48,7 +50,7 @@ def spark_submit(net: Net, pause_at: str | None = None) -> subprocess.Popen[str]
         [
             str(BIN / "spark-submit"),
             "--master",
-            "local[2]",
+            master,
             "--conf",
             "spark.ui.enabled=false",
             "--jars",
@@ -56,6 +58,7 @@ def spark_submit(net: Net, pause_at: str | None = None) -> subprocess.Popen[str]
             job.__file__,
             "--source",
             "a",
+            *args,
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -80,31 +83,53 @@ def wait_for(proc: subprocess.Popen[str], line: str, timeout: float = 240) -> li
     raise AssertionError(f"the job never printed {line!r}:\n{''.join(seen[-40:])}")
 
 
+#: Where the job is killed, whether it stages every message (``--staged``), and what the next
+#: run delivers: ``all``, ``none`` (everything was in the far queues), or ``some``.
+KILLS = [
+    ("planned", False, "all"),
+    # One task at a time (local[1], four partitions): the first one's transaction is open...
+    ("task-written", False, "all"),
+    # ... or committed, the other three not begun.
+    ("task-committed", False, "some"),
+    ("written", False, "none"),
+    ("committed", False, "none"),
+    ("acknowledged", False, "none"),
+    ("staged", True, "all"),
+    ("committed", True, "none"),
+]
+
+
 @pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
-@pytest.mark.parametrize("kill_at", ["planned", "staged", "committed", "acknowledged"])
+@pytest.mark.parametrize(("kill_at", "staged", "rerun"), KILLS)
 def test_killed_anywhere_and_run_again_every_message_arrives_once(
-    network: Network, kill_at: str
+    network: Network, kill_at: str, staged: bool, rerun: str
 ) -> None:
     net = network("a", "b")
     two_way(net)
     a, b = net["a"], net["b"]
     counts = [1 + i % 9 for i in range(150)]
     send_dialogs(a, counts)
-    first = spark_submit(net, pause_at=kill_at)
+    args = ("--partitions", "4", *(("--staged",) if staged else ()))
+    first = spark_submit(net, pause_at=kill_at, master="local[1]", args=args)
     wait_for(first, f"checkpoint {kill_at}")
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(30)
     assert first.returncode == -signal.SIGKILL
-    again = spark_submit(net)
+    again = spark_submit(net, args=args)
     lines = wait_for(again, job.REPORT_PREFIX)
     assert again.wait(60) == 0, "".join(lines[-40:])
     report = json.loads(lines[-1][len(job.REPORT_PREFIX) :])
-    if kill_at in ("planned", "staged"):
+    if rerun == "all":
         # nothing had reached b's queues: the rerun delivers all
         assert report["delivered"] == sum(counts), report
+    elif rerun == "some":
+        # the first task's conversations were in; the rerun delivers the others'
+        assert 0 < report["delivered"] < sum(counts), report
     else:
         # b had committed everything: the rerun finds duplicates (or nothing left to do)
         assert report["delivered"] == 0, report
+    if kill_at != "acknowledged":
+        assert report["acknowledged"] == sum(counts), report
     assert a.transmission_queue() == []
     got = by_conversation(b, drain_all(b, TARGET_QUEUE))
     assert sorted(len(v) for v in got.values()) == sorted(counts)

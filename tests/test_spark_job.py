@@ -221,6 +221,28 @@ def test_the_transmission_queue_is_read_in_parallel_partitions(
     assert len(ids) == len(set(ids)) == 200
 
 
+@pytest.mark.parametrize("new_db", ["sqlite", "postgres"], indirect=True)
+def test_the_read_split_by_conversation_gives_each_conversation_to_one_task(
+    spark: SparkSession, network: Network
+) -> None:
+    """Four queries on ranges of the conversation id: every row once, every conversation's
+    rows in one partition (what lets a task write whole conversations)."""
+    net = network("a", "b")
+    two_way(net)
+    a = net["a"]
+    send_dialogs(a, [5] * 40)
+    df = jdbc.read_pending(spark, a.engine.url, due_by=None, partitions=4, by_conversation=True)
+    assert df.rdd.getNumPartitions() == 4
+    per_partition = df.rdd.mapPartitions(
+        lambda rows: [sorted({r.conversation_id for r in rows})]
+    ).collect()
+    assert all(per_partition), per_partition
+    conversations = [c for part in per_partition for c in part]
+    assert len(conversations) == len(set(conversations)) == 40
+    ids = [r.id for r in df.select("id").collect()]
+    assert len(ids) == len(set(ids)) == 200
+
+
 @pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
 def test_postgresql_groups_the_conversations_as_the_spark_transform_does(
     spark: SparkSession, network: Network

@@ -1,27 +1,31 @@
-"""The Spark job's staging and commit on PostgreSQL: COPY from the executors, rows a retried task
-wrote twice, and a crash between the commit's parallel transactions."""
+"""The Spark job's writes on PostgreSQL: COPY from the executors, tasks that write straight into
+queues and run again or hold part of a conversation, rows a retried task staged twice, and a
+crash between the staged commit's parallel transactions."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+import pyarrow as pa
 import pytest
 import sqlalchemy as sa
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 from transport_procs import (
+    TARGET,
     TARGET_QUEUE,
     Net,
     assert_exactly_once_in_order,
     by_conversation,
     drain_all,
     send_dialogs,
+    send_more,
     two_way,
 )
 
-from airflow_broker import Broker
-from airflow_broker.spark import commit, jdbc, job
+from airflow_broker import END_DIALOG, Broker
+from airflow_broker.spark import commit, direct, direct_task, jdbc, job
 from airflow_broker.storage import schema as s
 
 pytestmark = [pytest.mark.xdist_group("spark"), pytest.mark.timeout(600)]
@@ -92,6 +96,139 @@ def staged_rows(broker: Broker, table: sa.Table = s.spark_staging) -> int:
 
 
 @pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
+def test_tasks_that_wrote_into_queues_and_run_again_write_nothing_twice(
+    spark: SparkSession, network: Network, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every task of the direct write committed, then ran again (Spark retrying a task whose
+    result was lost): the second attempt finds the receive sequence numbers raised and writes
+    no message twice; the ended dialogs' messages, staged by both attempts, are committed once
+    by the staged commit."""
+    net = network("a", "b")
+    two_way(net)
+    a, b = net["a"], net["b"]
+    counts = [1 + i % 6 for i in range(60)]
+    handles = send_dialogs(a, counts)
+    with a.transaction() as tx:
+        for h in handles[:5]:
+            tx.end_conversation(h)
+    once = direct.write_direct
+    attempts: list[direct.Written] = []
+
+    def twice(*args: Any) -> direct.Written:
+        attempts.append(once(*args))
+        attempts.append(once(*args))
+        return attempts[-1]
+
+    monkeypatch.setattr(job, "write_direct", twice)
+    report = job.run(a, spark)
+    first, second = attempts
+    total = sum(counts) + 5  # and an EndDialog on each of five dialogs
+    general = sum(counts[:5]) + 5
+    assert first.inserted == total - general and second.inserted == 0
+    assert first.staged == second.staged == general
+    assert report.general == general and report.acknowledged == total
+    assert a.transmission_queue() == [] and staged_rows(b) == 0
+    msgs = drain_all(b, TARGET_QUEUE)
+    assert sum(1 for m in msgs if m.message_type_name == END_DIALOG) == 5
+    got = by_conversation(b, [m for m in msgs if m.message_type_name != END_DIALOG])
+    assert sorted(len(v) for v in got.values()) == sorted(counts)
+    expected = {conv: list(range(len(msgs))) for conv, msgs in got.items()}
+    assert_exactly_once_in_order(got, expected, "after every task ran twice")
+
+
+@pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
+def test_a_conversation_split_between_tasks_goes_in_once_and_in_order(
+    spark: SparkSession, network: Network
+) -> None:
+    """Rows read split by row id, not by conversation, on dialogs open at the far broker: each
+    of four tasks holds two of every dialog's eight messages, and tasks lock the same endpoints
+    in whatever order they run. Each checks the sequence numbers under the lock, so none puts
+    later messages in before earlier ones, and none twice."""
+    net = network("a", "b")
+    two_way(net)
+    a, b = net["a"], net["b"]
+    handles = send_dialogs(a, [1] * 40)
+    job.run(a, spark)
+    send_more(a, handles, 1, 8)  # one batched SEND per sequence number: ids interleave
+    plain = jdbc.read_pending
+
+    def by_row_id(*args: Any, **kwargs: Any) -> Any:
+        kwargs.update(by_conversation=False, bounds=job._bounds(a, None))
+        return plain(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(jdbc, "read_pending", by_row_id)
+        for _ in range(8):
+            job.run(a, spark, partitions=4)
+            if not a.transmission_queue():
+                break
+    assert a.transmission_queue() == [] and staged_rows(b) == 0
+    got = by_conversation(b, drain_all(b, TARGET_QUEUE))
+    assert sorted(len(v) for v in got.values()) == [9] * 40
+    expected = {conv: list(range(len(msgs))) for conv, msgs in got.items()}
+    assert_exactly_once_in_order(got, expected, "with conversations split between tasks")
+
+
+@pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
+def test_a_task_writes_only_what_follows_the_far_receive_sequence(
+    spark: SparkSession, network: Network
+) -> None:
+    """One task's work, without Spark: of messages 1-3 of a dialog whose far endpoint has 0-1,
+    2 and 3 go into the queue; messages 5-6 (4 missing) go to the staging table, not the
+    queue, and the receive sequence number stays where it was."""
+    net = network("a", "b")
+    two_way(net)
+    a, b = net["a"], net["b"]
+    first, second = send_dialogs(a, [2, 2])
+    job.run(a, spark)
+    message_type = drain_all(b, TARGET_QUEUE)[0].message_type_name
+    rows = []
+    with a.transaction() as tx:
+        for handle, seqs in ((first, (1, 2, 3)), (second, (5, 6))):
+            c = tx.conversation(handle)
+            for seq in seqs:
+                rows.append(
+                    {
+                        "conversation_id": str(c.conversation_id),
+                        "from_initiator": True,
+                        "seq": seq,
+                        "message_type": message_type,
+                        "validation": "N",
+                        "message_body": "\\x" + (b'{"n":%d}' % seq).hex(),
+                        "source_handle": str(handle),
+                        "from_service": c.service_name,
+                        "to_service": c.far_service,
+                        "to_broker_instance": None,
+                        "contract": c.contract_name,
+                        "lifetime_epoch": None,
+                        "part": 0,
+                    }
+                )
+    chosen = spark.createDataFrame(
+        [(r["contract"], r["to_service"], r["from_service"]) for r in rows],
+        "service_contract_name string, to_service_name string, from_service_name string",
+    )
+    far = direct._far(b, chosen, "r1", net.id("a"))
+    batch = pa.RecordBatch.from_pylist(rows)
+    out = pa.Table.from_batches(list(direct_task.write_partition(far, iter([batch])))).to_pylist()
+    assert out == [
+        {"kind": "ack", "source_handle": str(first), "upto": 4, "service": TARGET, "n": 2},
+        {"kind": "staged", "source_handle": None, "upto": 0, "service": None, "n": 2},
+    ]
+    got = by_conversation(b, drain_all(b, TARGET_QUEUE))
+    assert_exactly_once_in_order(got, {c: [2, 3] for c in got}, "one task")
+    assert len(got) == 1 and staged_rows(b) == 2
+    with b.engine.connect() as conn:
+        assert sorted(
+            conn.execute(
+                sa.select(s.conversation_endpoint.c.receive_sequence).where(
+                    s.conversation_endpoint.c.is_initiator.is_(False)
+                )
+            ).scalars()
+        ) == [2, 4]
+
+
+@pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
 def test_rows_a_retried_task_staged_twice_are_committed_once(
     spark: SparkSession, network: Network, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -113,7 +250,7 @@ def test_rows_a_retried_task_staged_twice_are_committed_once(
         return n
 
     monkeypatch.setattr(jdbc, "copy_table", copy_twice)
-    report = job.run(a, spark)
+    report = job.run(a, spark, direct=False)
     # The staging tables really held every row twice.
     assert seen == {
         s.spark_staged_conversation.name: 2 * len(counts),
@@ -148,12 +285,12 @@ def test_a_crash_between_the_commits_parallel_transactions_loses_and_doubles_not
 
     monkeypatch.setattr(commit, "_fast", part_one_dies)
     with pytest.raises(RuntimeError, match="killed in part 1"):
-        job.run(a, spark, commit_parallelism=2)
+        job.run(a, spark, commit_parallelism=2, direct=False)
     first = by_conversation(b, drain_all(b, TARGET_QUEUE))
     assert 0 < len(first) < len(counts), "part 0 alone should have committed some dialogs"
     assert len(a.transmission_queue()) == sum(counts)  # nothing acknowledged
     monkeypatch.setattr(commit, "_fast", fast)
-    report = job.run(a, spark, commit_parallelism=2)
+    report = job.run(a, spark, commit_parallelism=2, direct=False)
     assert report.acknowledged == sum(counts)
     assert report.delivered == sum(counts) - sum(len(v) for v in first.values())
     assert a.transmission_queue() == [] and staged_rows(b) == 0

@@ -32,8 +32,9 @@ from airflow_broker import Broker
 from airflow_broker.examples import sales
 
 DAG_ID = "sales_by_region"
-#: The Spark job's phases, in the order a run passes them (RunReport.phases).
-PHASES = ("planned", "staged", "committed", "acknowledged")
+#: The Spark job's phases, in the order a run passes them (RunReport.phases): ``written`` at
+#: a PostgreSQL far broker, ``staged`` at a SQLite one.
+PHASES = ("planned", "written", "staged", "committed", "acknowledged")
 
 
 def environment(home: Path, dags_folder: Path, regions: dict[str, str]) -> dict[str, str]:
@@ -91,7 +92,7 @@ def run(requests: int, home: Path, dags_folder: Path) -> dict[str, int]:
     # The job's last line, as the task log carries it (fields may follow the JSON).
     text = report[-1].split("AIRFLOW_BROKER_SPARK_REPORT", 1)[1].strip()
     job, _ = json.JSONDecoder().raw_decode(text)
-    phases = ", ".join(f"{k} {job['phases'].get(k, 0.0):.1f} s" for k in PHASES)
+    phases = ", ".join(f"{k} {job['phases'][k]:.1f} s" for k in PHASES if k in job["phases"])
     print(
         f"the Spark job read {job['read']:,} messages, delivered {job['delivered']:,} and "
         f"acknowledged {job['acknowledged']:,} in {job['seconds']:.1f} s (phases: {phases})"

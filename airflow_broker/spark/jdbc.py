@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -197,15 +198,24 @@ def read_pending(
     url: str | URL,
     *,
     due_by: datetime | None,
-    bounds: tuple[int, int] | None,
+    bounds: tuple[int, int] | None = None,
     partitions: int,
+    by_conversation: bool = False,
 ) -> DataFrame:
     """The due rows of a broker's transmission queue, read in ``partitions`` parallel JDBC
-    queries split on the row id between ``bounds`` (inclusive; None: the queue is empty)."""
+    queries: ``by_conversation``, each holding whole conversations (ranges of the conversation
+    id); otherwise split on the row id between ``bounds`` (inclusive; None: one query)."""
     jdbc = jdbc_of(url)
+    table = f"({pending_query(jdbc.dialect, due_by)}) pending"
+    if by_conversation and partitions > 1:
+        return spark.read.jdbc(
+            jdbc.url,
+            table,
+            predicates=conversation_ranges(jdbc.dialect, partitions),
+            properties={**jdbc.properties, "fetchsize": "10000"},
+        )
     reader = spark.read.format("jdbc").options(**jdbc.options())
-    reader = reader.option("dbtable", f"({pending_query(jdbc.dialect, due_by)}) pending")
-    reader = reader.option("fetchsize", "10000")
+    reader = reader.option("dbtable", table).option("fetchsize", "10000")
     if bounds is not None and partitions > 1 and bounds[1] > bounds[0]:
         reader = (
             reader.option("partitionColumn", "id")
@@ -214,6 +224,29 @@ def read_pending(
             .option("numPartitions", str(partitions))
         )
     return reader.load()
+
+
+def conversation_ranges(dialect: str, partitions: int) -> list[str]:
+    """``partitions`` conditions on the ``conversation_id`` of :func:`pending_query` that split
+    the uuid space into equal ranges (every row in exactly one): uuids compared as uuids on
+    PostgreSQL (its text would compare by the database's collation), as the lower-case hex
+    text SQLite stores."""
+    cuts = [uuid.UUID(int=(i << 128) // partitions) for i in range(1, partitions)]
+    if dialect == "postgresql":
+        column, literals = "CAST(conversation_id AS uuid)", [f"'{c}'" for c in cuts]
+    else:
+        column, literals = "conversation_id", [f"'{c.hex}'" for c in cuts]
+    lows: list[str | None] = [None, *literals]
+    highs: list[str | None] = [*literals, None]
+    ranges = []
+    for low, high in zip(lows, highs, strict=True):
+        conditions = []
+        if low is not None:
+            conditions.append(f"{column} >= {low}")
+        if high is not None:
+            conditions.append(f"{column} < {high}")
+        ranges.append(" AND ".join(conditions))
+    return ranges
 
 
 def read_conversations(
@@ -248,6 +281,15 @@ def write_table(df: DataFrame, url: str | URL, table: str, *, partitions: int) -
     writer.save()
 
 
+def conninfo(url: str | URL) -> str:
+    """The libpq connection string (password included) of a PostgreSQL broker's URL, for
+    psycopg in the executors."""
+    u = make_url(url) if isinstance(url, str) else url
+    if u.get_backend_name() != "postgresql":
+        raise ValueError(f"COPY is PostgreSQL's; {u.render_as_string()!r} is not PostgreSQL")
+    return u.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
 def copy_table(df: DataFrame, url: str | URL, table: str) -> int:
     """Append ``df`` to ``table`` of a PostgreSQL broker with ``COPY`` (no statement to bind
     and plan per batch, as JDBC's INSERTs have): each Spark partition streams its rows as CSV
@@ -261,10 +303,7 @@ def copy_table(df: DataFrame, url: str | URL, table: str) -> int:
 
     from airflow_broker.spark import copy_partition
 
-    u = make_url(url) if isinstance(url, str) else url
-    if u.get_backend_name() != "postgresql":
-        raise ValueError(f"COPY is PostgreSQL's; {u.render_as_string()!r} is not PostgreSQL")
-    conninfo = u.set(drivername="postgresql").render_as_string(hide_password=False)
+    info = conninfo(url)
     columns = []
     for f in df.schema.fields:
         column = F.col(f.name)
@@ -276,7 +315,7 @@ def copy_table(df: DataFrame, url: str | URL, table: str) -> int:
     # import would cost each Python worker two seconds).
     cloudpickle.register_pickle_by_value(copy_partition)
     written = df.select(*columns).mapInArrow(
-        functools.partial(copy_partition.copy_partition, conninfo, statement), "rows long"
+        functools.partial(copy_partition.copy_partition, info, statement), "rows long"
     )
     return sum(int(r.rows) for r in written.collect())
 
@@ -285,6 +324,8 @@ __all__ = [
     "DEBIAN_JARS",
     "MAVEN_PACKAGES",
     "Jdbc",
+    "conninfo",
+    "conversation_ranges",
     "copy_table",
     "jdbc_of",
     "pending_query",

@@ -11,11 +11,14 @@ it), or in-process with :func:`run`. One run:
    (classification, forwarding rules, routing and load balancing, by the rules of
    :mod:`airflow_broker.routing`);
 3. for each far broker: deletes what earlier dead runs left in its staging tables, writes
-   its conversations' plan there, reads their messages (in parallel JDBC queries split on
-   the row id) and writes them there in
-   conversation order (COPY from the executors on PostgreSQL, JDBC on SQLite), commits them
-   into queues exactly once (:func:`commit.commit`, in parallel transactions on PostgreSQL)
-   and acknowledges them at the source (:func:`commit.acknowledge`);
+   its conversations' plan there and reads their messages (in parallel JDBC queries, each
+   holding whole conversations). At a PostgreSQL far broker each Spark task writes its
+   conversations straight into the queues, in one transaction that checks and raises their
+   sequence numbers (:mod:`airflow_broker.spark.direct_task`), and stages only those that
+   need the Python path's receiving code; at a SQLite one (or with ``direct=False``) every
+   message is staged (JDBC). The staged commit (:func:`commit.commit`) takes the staged
+   messages into queues exactly once, and the source acknowledges everything delivered
+   (:func:`commit.acknowledge`);
 4. records why the others wait (no route, unreachable, not classified...), as the Python
    delivery pass does, and leaves conversations to services hosted by the source itself to the
    source's own delivery.
@@ -51,7 +54,8 @@ from airflow_broker.messaging.delivery import RETRY_BASE
 from airflow_broker.messaging.lookups import hosted_services
 from airflow_broker.routing import dynamic
 from airflow_broker.routing.routes import routes_of
-from airflow_broker.spark import commit, jdbc, transforms
+from airflow_broker.spark import commit, direct_task, jdbc, transforms
+from airflow_broker.spark.direct import Written, write_direct
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.identity import copy_refusal
@@ -65,8 +69,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("airflow_broker")
 
 #: Set to ``NAME`` or ``NAME:SECONDS`` to pause the job at checkpoint NAME (crash tests kill it
-#: there); each checkpoint is printed as it is reached.
-PAUSE_ENV = "AIRFLOW_BROKER_SPARK_PAUSE_AT"
+#: there); each checkpoint is printed as it is reached. The tasks that write into queues pause
+#: at ``task-written`` and ``task-committed`` (:mod:`~airflow_broker.spark.direct_task`).
+PAUSE_ENV = direct_task.PAUSE_ENV
 #: Parallel transactions committing at a PostgreSQL far broker (``--commit-parallelism``): the
 #: insert into the queues is the far database's work, so its cores count, not Spark's.
 COMMIT_PARALLELISM = 2
@@ -95,7 +100,8 @@ class RunReport:
     targets: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     #: seconds spent up to each checkpoint since the one before (summed over far brokers):
-    #: planned (read and plan), staged (JDBC write), committed, acknowledged
+    #: planned (read and plan), written (straight into queues) or staged (every message into
+    #: the staging table), committed (the staged commit), acknowledged
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -173,13 +179,6 @@ def _native_uuid(column: Any, dialect: str) -> Any:
     return F.regexp_replace(column, "-", "") if dialect == "sqlite" else column
 
 
-def _part(parts: int) -> Any:
-    from pyspark.sql import functions as F
-
-    # Both directions of a conversation in the same part of the commit.
-    return F.pmod(F.hash("conversation_id"), F.lit(parts)).cast("short").alias("part")
-
-
 def _staged_conversations(
     chosen: DataFrame, run_id: str, source_instance: str, dialect: str, parts: int
 ) -> DataFrame:
@@ -198,7 +197,7 @@ def _staged_conversations(
         F.col("service_contract_name").alias("contract"),
         F.col("lifetime_epoch"),
         F.col("hops").cast("int").alias("hops"),
-        _part(parts),
+        transforms.part(parts),
     )
 
 
@@ -218,7 +217,7 @@ def _staged_messages(df: DataFrame, run_id: str, dialect: str, parts: int) -> Da
         F.col("message_type_name").alias("message_type"),
         F.col("validation"),
         F.col("message_body"),
-        _part(parts),
+        transforms.part(parts),
     ).sortWithinPartitions("conversation_id", "from_initiator", "seq")
 
 
@@ -250,10 +249,13 @@ def run(
     retry_now: bool = False,
     partitions: int | None = None,
     commit_parallelism: int = COMMIT_PARALLELISM,
+    direct: bool = True,
 ) -> RunReport:
     """One run of the job from ``source`` (see the module's docstring). ``partitions``: the
-    parallel JDBC reads (default: Spark's parallelism); ``commit_parallelism``: the parallel
-    transactions of the commit at a PostgreSQL far broker."""
+    parallel JDBC reads (default: Spark's parallelism), each a transaction at a PostgreSQL far
+    broker when ``direct``; ``commit_parallelism``: the parallel transactions of the staged
+    commit there. ``direct=False`` stages every message, as the job did before it wrote into
+    queues from its tasks."""
     from pyspark.sql import functions as F
 
     if commit_parallelism < 1:
@@ -276,8 +278,14 @@ def run(
     # conversation: grouped by PostgreSQL itself, so that only the groups travel, unless a
     # classifier reads the first bodies (or the source is SQLite): then Spark groups a read
     # without the other bodies.
+    # Split by conversation for the tasks that write into queues; by row id for staging only.
     pending = jdbc.read_pending(
-        spark, source.engine.url, due_by=due_by, bounds=_bounds(source, due_by), partitions=parts
+        spark,
+        source.engine.url,
+        due_by=due_by,
+        bounds=None if direct else _bounds(source, due_by),
+        partitions=parts,
+        by_conversation=direct,
     )
     if source.dialect == "postgresql" and classifier is None:
         conv = jdbc.read_conversations(spark, source.engine.url, due_by=due_by)
@@ -344,6 +352,7 @@ def run(
                 counts,
                 laps,
                 commit_parallelism,
+                direct=direct,
             )
             report.targets[far] = report.targets.get(far, 0) + n
         commit.record_waiting(source, waiting, retry_in=RETRY_BASE, now=now)
@@ -381,9 +390,12 @@ def _deliver(
     counts: Counter[str],
     laps: _Laps,
     commit_parallelism: int,
+    *,
+    direct: bool,
 ) -> str:
-    """Stage, commit and acknowledge at ``target`` the messages of ``pending`` whose
-    conversations are the ``chosen`` rows of the plan; returns its instance id."""
+    """Deliver to ``target`` the messages of ``pending`` whose conversations are the ``chosen``
+    rows of the plan (straight into its queues, or staged and committed), and acknowledge them
+    at the source; returns its instance id."""
     from pyspark.sql import functions as F
 
     commit.prepare(target, me, run_id)
@@ -395,12 +407,21 @@ def _deliver(
         s.spark_staged_conversation.name,
     )
     rows = transforms.with_plan(pending, chosen)
-    written = _write(
-        _staged_messages(rows, run_id, target.dialect, parts), target, s.spark_staging.name
-    )
-    laps("staged")
-    done = commit.commit(target, run_id, me, written=written, parts=parts)
+    written: Written | None = None
+    if direct and target.dialect == "postgresql":
+        written = write_direct(rows, chosen, target, run_id, me, parts)
+        laps("written")
+        staged = written.staged
+    else:
+        staged = _write(
+            _staged_messages(rows, run_id, target.dialect, parts), target, s.spark_staging.name
+        )
+        laps("staged")
+    done = commit.commit(target, run_id, me, written=staged, parts=parts)
     laps("committed")
+    if written is not None:
+        done.acks += written.acks
+        done.inserted += written.inserted
     classified = {
         uuid.UUID(r[0]): r[1]
         for r in chosen.where(F.col("classified").isNotNull())
@@ -445,6 +466,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{COMMIT_PARALLELISM})",
     )
     p.add_argument("--retry-now", action="store_true", help="also rows not due yet")
+    p.add_argument(
+        "--staged",
+        action="store_true",
+        help="stage every message before committing it, instead of writing into the queues "
+        "of a PostgreSQL far broker from the Spark tasks",
+    )
     p.add_argument("--master", help="Spark master when not set by spark-submit")
     args = p.parse_args(argv)
     if args.commit_parallelism < 1:
@@ -470,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             retry_now=args.retry_now,
             partitions=args.partitions,
             commit_parallelism=args.commit_parallelism,
+            direct=not args.staged,
         )
     finally:
         spark.stop()

@@ -395,6 +395,14 @@ def conversation_plan(
     )
 
 
+def part(parts: int) -> Any:
+    """The ``part`` column: which of ``parts`` transactions of the staged commit takes a
+    conversation (both directions of a conversation in the same part)."""
+    from pyspark.sql import functions as F
+
+    return F.pmod(F.hash("conversation_id"), F.lit(parts)).cast("short").alias("part")
+
+
 def with_plan(df: DataFrame, planned: DataFrame) -> DataFrame:
     """Each pending message of ``df`` with its conversation's decision from ``planned`` (a
     :func:`conversation_plan`, or rows of it): canonical ids, the service it goes to (the

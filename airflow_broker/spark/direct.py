@@ -1,0 +1,134 @@
+"""The Spark job's direct write, the driver's side: what the tasks need to know of a PostgreSQL
+far broker (read once), the rows they are given, and what they report back. What each task
+runs is :mod:`airflow_broker.spark.direct_task`."""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sqlalchemy import select
+
+from airflow_broker.constants import (
+    PRECEDENCE_NORMAL,
+    SENDABLE_STATES,
+    STATUS_NOT_COMPLETE,
+    STATUS_READY,
+    SYSTEM_MESSAGE_TYPES,
+)
+from airflow_broker.messaging.lookups import hosted_services, priority_for
+from airflow_broker.messaging.validation import VALIDATION_CODES
+from airflow_broker.spark import commit, direct_task, jdbc
+from airflow_broker.spark.transforms import part
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import utcnow
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from airflow_broker.storage.context import BrokerContext
+
+
+@dataclass
+class Written:
+    """What the tasks wrote straight into a far broker's queues."""
+
+    acks: list[commit.Ack]
+    #: messages new in queues
+    inserted: int
+    #: rows staged for the staged commit (each task's counted once, however often it ran)
+    staged: int
+
+
+def _far(target: BrokerContext, chosen: DataFrame, run_id: str, me: str) -> direct_task.Far:
+    """What the tasks need to know of ``target``, read once."""
+    cm, mt = s.contract_message, s.message_type
+    with target.engine.connect() as conn:
+        far_me = target.instance_id_on(conn)
+        services = {
+            name: direct_task.Service(h.queue_id, h.queue_status, h.router, h.contracts)
+            for name, h in hosted_services(target, conn).items()
+        }
+        rules = conn.execute(
+            select(cm.c.contract_name, cm.c.message_type_name, cm.c.sent_by, mt.c.validation).join(
+                mt, mt.c.name == cm.c.message_type_name
+            )
+        ).all()
+        priorities = {
+            (r[0], r[1], r[2]): priority_for(target, conn, r[0], r[1], r[2])
+            for r in chosen.select("service_contract_name", "to_service_name", "from_service_name")
+            .distinct()
+            .collect()
+        }
+    fast_types = frozenset(
+        (contract, from_initiator, message_type)
+        for contract, message_type, sent_by, validation in rules
+        for from_initiator in (True, False)
+        if message_type not in SYSTEM_MESSAGE_TYPES
+        and validation == "none"
+        and sent_by in ("initiator" if from_initiator else "target", "any")
+    )
+    return direct_task.Far(
+        conninfo=jdbc.conninfo(target.engine.url),
+        run_id=run_id,
+        me=far_me,
+        source_instance=me,
+        services=services,
+        fast_types=fast_types,
+        priorities=priorities,
+        now=utcnow(),
+        status_ready=STATUS_READY,
+        status_not_complete=STATUS_NOT_COMPLETE,
+        precedence=PRECEDENCE_NORMAL,
+        validation_none=VALIDATION_CODES["none"],
+        sendable_states=frozenset(SENDABLE_STATES),
+    )
+
+
+def write_direct(
+    rows: DataFrame, chosen: DataFrame, target: BrokerContext, run_id: str, me: str, parts: int
+) -> Written:
+    """Each partition of ``rows`` (planned messages, whole conversations in each) into
+    ``target``'s queues by its own task (:func:`direct_task.write_partition`)."""
+    from pyspark import cloudpickle
+    from pyspark.sql import functions as F
+
+    far = _far(target, chosen, run_id, me)
+    body = F.concat(F.lit("\\x"), F.hex("message_body"))  # bytea's hex input form
+    direct_rows = rows.select(
+        F.col("conversation_id"),
+        F.col("is_initiator").alias("from_initiator"),
+        F.col("message_sequence_number").alias("seq"),
+        F.col("message_type_name").alias("message_type"),
+        F.col("validation"),
+        body.alias("message_body"),
+        F.col("conversation_handle").alias("source_handle"),
+        F.col("from_service_name").alias("from_service"),
+        F.col("to_service_name").alias("to_service"),
+        F.col("target_instance").alias("to_broker_instance"),
+        F.col("service_contract_name").alias("contract"),
+        F.col("lifetime_epoch"),
+        part(parts),
+    ).sortWithinPartitions("conversation_id", "from_initiator", "seq")
+    # Shipped by value: the executors need psycopg and pyarrow, not airflow_broker.
+    cloudpickle.register_pickle_by_value(direct_task)
+    results = direct_rows.mapInArrow(
+        functools.partial(direct_task.write_partition, far), direct_task.RESULT_SCHEMA
+    ).collect()
+    written = Written([], 0, 0)
+    for r in results:
+        if r.kind == "ack":
+            written.acks.append(
+                commit.Ack(uuid.UUID(r.source_handle), int(r.upto), far.me, r.service)
+            )
+            written.inserted += int(r.n)
+        else:
+            written.staged += int(r.n)
+    if written.inserted:
+        target.note_due(far.now)  # readers waiting on these queues in this process
+    return written
+
+
+__all__ = ["Written", "write_direct"]

@@ -1,0 +1,490 @@
+"""What each Spark task runs to put its conversations straight into a PostgreSQL far broker's
+queues: one transaction per task, each message written once (by COPY), with the same checks as
+the staged commit's fast path (:mod:`airflow_broker.spark.fast_path`).
+
+Exactly once and in order rest where they rest for every other writer: in one transaction, the
+task locks the far endpoints of its conversations (in handle order), reads their receive
+sequence numbers, writes only the messages at or above them, and raises them. A task Spark runs
+again, or a run after a crash, finds the numbers raised and writes nothing twice; a
+conversation's later messages cannot go in before its earlier ones, whichever task holds them.
+The read is split by conversation, so a task normally holds whole conversations in order.
+
+A conversation this task cannot take the simple way (a gap, a system message or a type that is
+validated or not this side's to send, an endpoint that is not open or waits for a gap, a service
+not hosted here...) is written, in the same transaction, to the staging table, where the staged
+commit (:func:`airflow_broker.spark.commit.commit`) takes it with the Python path's receiving
+code.
+
+Shipped to the executors by value (cloudpickle), like :mod:`~airflow_broker.spark.copy_partition`:
+it imports nothing of airflow_broker. Keep it that way.
+"""
+
+from __future__ import annotations
+
+import io
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+#: The columns each task reads (:func:`airflow_broker.spark.direct.write` makes them), sorted
+#: by conversation, direction and sequence number within each partition.
+INPUT_COLUMNS = (
+    "conversation_id",
+    "from_initiator",
+    "seq",
+    "message_type",
+    "validation",
+    "message_body",  # bytea's hex input form (\x...), or null
+    "source_handle",
+    "from_service",
+    "to_service",
+    "to_broker_instance",
+    "contract",
+    "lifetime_epoch",
+    "part",
+)
+#: What each task returns: ``ack`` rows (a conversation the far broker has every message of
+#: below ``upto``, ``n`` of them new), and one ``staged`` row (``n`` rows staged).
+RESULT_SCHEMA = "kind string, source_handle string, upto long, service string, n long"
+
+_QUEUE_COLUMNS = (
+    "queue_id",
+    "conversation_group_id",
+    "conversation_handle",
+    "message_sequence_number",
+    "status",
+    "priority",
+    "precedence",
+    "service_name",
+    "service_contract_name",
+    "message_type_name",
+    "validation",
+    "message_body",
+    "enqueued_at",
+)
+_ENDPOINT_COLUMNS = (
+    "conversation_handle",
+    "conversation_id",
+    "is_initiator",
+    "conversation_group_id",
+    "queue_id",
+    "service_name",
+    "far_service",
+    "far_broker_instance",
+    "contract_name",
+    "state",
+    "priority",
+    "lifetime",
+    "send_sequence",
+    "receive_sequence",
+    "created_at",
+)
+_GROUP_COLUMNS = ("conversation_group_id", "queue_id")
+_STAGING_COLUMNS = (
+    "run_id",
+    "conversation_id",
+    "from_initiator",
+    "seq",
+    "message_type",
+    "validation",
+    "message_body",
+    "part",
+)
+#: The job's pause variable (``airflow_broker.spark.job.PAUSE_ENV``): crash tests stop a task
+#: at ``task-written`` (before its commit) or ``task-committed``.
+PAUSE_ENV = "AIRFLOW_BROKER_SPARK_PAUSE_AT"
+#: Rows per CSV chunk handed to COPY.
+_CHUNK = 50_000
+
+
+@dataclass(frozen=True)
+class Service:
+    """A service the far broker hosts, as this path needs it."""
+
+    queue_id: int
+    enabled: bool
+    router: bool
+    contracts: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Far:
+    """What every task needs to know of the far broker, read once by the driver."""
+
+    conninfo: str
+    run_id: str
+    #: the far broker's instance id, and the source's
+    me: str
+    source_instance: str
+    services: dict[str, Service]
+    #: (contract, from_initiator, message type) this path takes: a type of the contract that
+    #: side may send, not validated, not a system message
+    fast_types: frozenset[tuple[str, bool, str]]
+    #: a new endpoint's priority by (contract, its service, the far service)
+    priorities: dict[tuple[str, str, str], int]
+    #: the time the messages are enqueued at
+    now: datetime
+    status_ready: int
+    status_not_complete: int
+    precedence: int
+    validation_none: str
+    sendable_states: frozenset[str]
+
+
+@dataclass
+class _Conversation:
+    """One conversation and direction of the task's rows (``start``: its first row)."""
+
+    conversation_id: str
+    from_initiator: bool
+    start: int
+    count: int
+    min_seq: int
+    max_seq: int
+    source_handle: str
+    from_service: str
+    to_service: str
+    to_broker_instance: str | None
+    contract: str
+    lifetime_epoch: float | None
+
+
+def _conversations(table: Any) -> list[_Conversation]:
+    """The task's conversations in the order of its rows, which the job sorted by conversation,
+    direction and sequence number: each a run of rows."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = table.num_rows
+    cid, ini = table["conversation_id"], table["from_initiator"]
+    changed = pc.or_(
+        pc.not_equal(cid.slice(1), cid.slice(0, n - 1)),
+        pc.not_equal(ini.slice(1), ini.slice(0, n - 1)),
+    )
+    starts = [0, *(i + 1 for i in pc.indices_nonzero(changed).to_pylist())]
+    ends = [*starts[1:], n]
+    first = table.take(pa.array(starts, pa.int64())).to_pydict()
+    last_seq = table["seq"].take(pa.array([e - 1 for e in ends], pa.int64())).to_pylist()
+    return [
+        _Conversation(
+            first["conversation_id"][i],
+            first["from_initiator"][i],
+            start,
+            ends[i] - start,
+            first["seq"][i],
+            last_seq[i],
+            first["source_handle"][i],
+            first["from_service"][i],
+            first["to_service"][i],
+            first["to_broker_instance"][i],
+            first["contract"][i],
+            first["lifetime_epoch"][i],
+        )
+        for i, start in enumerate(starts)
+    ]
+
+
+def _with_other_types(table: Any, far: Far) -> set[tuple[str, bool]]:
+    """Conversations with a message of a type this path does not take."""
+    triples = (
+        table.group_by(
+            ["conversation_id", "from_initiator", "contract", "message_type"], use_threads=False
+        )
+        .aggregate([])
+        .to_pylist()
+    )
+    return {
+        (t["conversation_id"], t["from_initiator"])
+        for t in triples
+        if (t["contract"], t["from_initiator"], t["message_type"]) not in far.fast_types
+    }
+
+
+def _csv(table: Any) -> Iterator[bytes]:
+    """``table`` as COPY's CSV: every value quoted, nulls bare (COPY reads a bare empty field
+    as NULL, "" as '')."""
+    import pyarrow.csv as pa_csv
+
+    options = pa_csv.WriteOptions(include_header=False, quoting_style="all_valid")
+    for start in range(0, table.num_rows, _CHUNK):
+        buffer = io.BytesIO()
+        pa_csv.write_csv(table.slice(start, _CHUNK), buffer, options)
+        yield buffer.getvalue()
+
+
+def _copy(cur: Any, name: str, columns: tuple[str, ...], table: Any) -> None:
+    if table.num_rows:
+        with cur.copy(f"COPY {name} ({', '.join(columns)}) FROM STDIN (FORMAT csv)") as copy:
+            for chunk in _csv(table):
+                copy.write(chunk)
+
+
+def write_partition(far: Far, batches: Iterator[Any]) -> Iterator[Any]:
+    """One Spark partition's messages into the far broker's queues (the general conversations
+    into its staging table), in one transaction; yields :data:`RESULT_SCHEMA` rows."""
+    import psycopg
+    import pyarrow as pa
+
+    result = pa.schema(
+        [
+            ("kind", pa.string()),
+            ("source_handle", pa.string()),
+            ("upto", pa.int64()),
+            ("service", pa.string()),
+            ("n", pa.int64()),
+        ]
+    )
+    chunks = [b for b in batches if b.num_rows]
+    if not chunks:
+        yield pa.RecordBatch.from_pylist([], schema=result)
+        return
+    table = pa.Table.from_batches(chunks)
+    conversations = _conversations(table)
+    other_types = _with_other_types(table, far)
+    with psycopg.connect(far.conninfo) as conn, conn.cursor() as cur:
+        # The far endpoints, locked in handle order until the messages are in.
+        cur.execute(
+            "SELECT e.conversation_id::text, e.is_initiator, e.conversation_handle::text, "
+            "e.conversation_group_id::text, e.queue_id, e.priority, e.service_name, e.state, "
+            "e.far_broker_instance, e.receive_sequence "
+            "FROM broker_conversation_endpoint e "
+            "JOIN unnest(%s::uuid[], %s::boolean[]) AS k(cid, ini) "
+            "ON e.conversation_id = k.cid AND e.is_initiator = k.ini "
+            "ORDER BY e.conversation_handle FOR UPDATE OF e",
+            (
+                [c.conversation_id for c in conversations],
+                [not c.from_initiator for c in conversations],
+            ),
+        )
+        endpoints = {(r[0], not r[1]): r for r in cur.fetchall()}
+        cur.execute(
+            "SELECT DISTINCT conversation_handle::text FROM broker_message "
+            "WHERE status = %s AND conversation_handle = ANY(%s::uuid[])",
+            (far.status_not_complete, [r[2] for r in endpoints.values()]),
+        )
+        waiting_here = {r[0] for r in cur.fetchall()}
+        decided = _decide(far, conversations, other_types, endpoints, waiting_here)
+        _copy(cur, "broker_conversation_group", _GROUP_COLUMNS, decided.groups)
+        _copy(cur, "broker_conversation_endpoint", _ENDPOINT_COLUMNS, decided.endpoints)
+        _copy(cur, "broker_message", _QUEUE_COLUMNS, decided.messages(table, far))
+        staged = decided.staged(table, far)
+        _copy(cur, "broker_spark_staging", _STAGING_COLUMNS, staged)
+        if decided.raised:
+            cur.execute(
+                "UPDATE broker_conversation_endpoint e SET receive_sequence = v.upto "
+                "FROM unnest(%s::uuid[], %s::bigint[]) AS v(handle, upto) "
+                "WHERE e.conversation_handle = v.handle",
+                (list(decided.raised), list(decided.raised.values())),
+            )
+        if decided.bindings:
+            cur.execute(
+                "UPDATE broker_conversation_endpoint SET far_broker_instance = %s "
+                "WHERE conversation_handle = ANY(%s::uuid[]) AND far_broker_instance IS NULL",
+                (far.source_instance, decided.bindings),
+            )
+        _checkpoint("task-written")
+    _checkpoint("task-committed")
+    rows = [
+        {"kind": "ack", "source_handle": h, "upto": upto, "service": svc, "n": n}
+        for h, upto, svc, n in decided.acks
+    ]
+    rows.append(
+        {"kind": "staged", "source_handle": None, "upto": 0, "service": None, "n": staged.num_rows}
+    )
+    yield pa.RecordBatch.from_pylist(rows, schema=result)
+
+
+def _checkpoint(name: str) -> None:
+    """A point a crash test may stop a task at (as the job's own checkpoints)."""
+    import os
+    import sys
+    import time
+
+    wanted, _, seconds = os.environ.get(PAUSE_ENV, "").partition(":")
+    if wanted == name:
+        print(f"checkpoint {name}", file=sys.stderr, flush=True)
+        time.sleep(float(seconds or 3600))
+
+
+class _Decided:
+    """What one task does with each of its conversations."""
+
+    def __init__(self) -> None:
+        #: (first row, rows, plan index) of the messages that go into queues
+        self.slices: list[tuple[int, int, int]] = []
+        #: per plan index: queue, group, handle, priority, service, contract
+        self.plan: list[tuple[int, str, str, int, str, str]] = []
+        #: (first row, rows) of conversations for the staged commit
+        self.general: list[tuple[int, int]] = []
+        self.new_groups: list[tuple[str, int]] = []
+        self.new_endpoints: list[tuple[Any, ...]] = []
+        self.raised: dict[str, int] = {}
+        self.bindings: list[str] = []
+        #: (source handle, upto, far service, messages new here)
+        self.acks: list[tuple[str, int, str, int]] = []
+
+    @property
+    def groups(self) -> Any:
+        import pyarrow as pa
+
+        return pa.table(
+            {
+                "conversation_group_id": [g for g, _ in self.new_groups],
+                "queue_id": pa.array([q for _, q in self.new_groups], pa.int32()),
+            }
+        )
+
+    @property
+    def endpoints(self) -> Any:
+        import pyarrow as pa
+
+        columns = list(zip(*self.new_endpoints, strict=True)) or [()] * len(_ENDPOINT_COLUMNS)
+        return pa.table(
+            {
+                name: pa.array(
+                    values,
+                    pa.timestamp("us", "UTC") if name in ("lifetime", "created_at") else None,
+                )
+                if values
+                else pa.array([], pa.string())
+                for name, values in zip(_ENDPOINT_COLUMNS, columns, strict=True)
+            }
+        )
+
+    def messages(self, table: Any, far: Far) -> Any:
+        """The queue rows: each taken row with its conversation's endpoint here."""
+        import pyarrow as pa
+
+        rows: list[int] = []
+        which: list[int] = []
+        for start, n, i in self.slices:
+            rows.extend(range(start, start + n))
+            which.extend([i] * n)
+        taken = table.select(["seq", "message_type", "message_body"]).take(
+            pa.array(rows, pa.int64())
+        )
+        plan = pa.table(
+            {
+                name: pa.array([p[k] for p in self.plan])
+                for k, name in enumerate(
+                    (
+                        "queue_id",
+                        "conversation_group_id",
+                        "conversation_handle",
+                        "priority",
+                        "service_name",
+                        "service_contract_name",
+                    )
+                )
+            }
+        ).take(pa.array(which, pa.int64()))
+        n = len(rows)
+        columns = {
+            "queue_id": plan["queue_id"],
+            "conversation_group_id": plan["conversation_group_id"],
+            "conversation_handle": plan["conversation_handle"],
+            "message_sequence_number": taken["seq"],
+            "status": pa.repeat(far.status_ready, n),
+            "priority": plan["priority"],
+            "precedence": pa.repeat(far.precedence, n),
+            "service_name": plan["service_name"],
+            "service_contract_name": plan["service_contract_name"],
+            "message_type_name": taken["message_type"],
+            "validation": pa.repeat(far.validation_none, n),
+            "message_body": taken["message_body"],
+            "enqueued_at": pa.repeat(far.now.isoformat(), n),
+        }
+        return pa.table([columns[c] for c in _QUEUE_COLUMNS], names=list(_QUEUE_COLUMNS))
+
+    def staged(self, table: Any, far: Far) -> Any:
+        """The staging rows of the conversations left to the staged commit."""
+        import pyarrow as pa
+
+        rows: list[int] = []
+        for start, n in self.general:
+            rows.extend(range(start, start + n))
+        taken = table.select(list(_STAGING_COLUMNS[1:])).take(pa.array(rows, pa.int64()))
+        return pa.table(
+            [pa.repeat(far.run_id, len(rows)), *taken.columns],
+            names=list(_STAGING_COLUMNS),
+        )
+
+
+def _decide(
+    far: Far,
+    conversations: list[_Conversation],
+    other_types: set[tuple[str, bool]],
+    endpoints: dict[tuple[str, bool], Any],
+    waiting_here: set[str],
+) -> _Decided:
+    """Each conversation the simple way or to the staged commit, as the fast path decides."""
+    d = _Decided()
+    for c in conversations:
+        key = (c.conversation_id, c.from_initiator)
+        contiguous = c.count == c.max_seq - c.min_seq + 1
+        if key in other_types or not contiguous or c.to_broker_instance not in (None, far.me):
+            d.general.append((c.start, c.count))
+            continue
+        ep = endpoints.get(key)
+        if ep is None:
+            svc = far.services.get(c.to_service)
+            priority = far.priorities.get((c.contract, c.to_service, c.from_service))
+            if (
+                c.min_seq != 0
+                or svc is None
+                or svc.router
+                or not svc.enabled
+                or c.contract not in svc.contracts
+                or priority is None
+            ):
+                d.general.append((c.start, c.count))
+                continue
+            handle, group = str(uuid.uuid4()), str(uuid.uuid4())
+            d.new_groups.append((group, svc.queue_id))
+            lifetime = (
+                None if c.lifetime_epoch is None else datetime.fromtimestamp(c.lifetime_epoch, UTC)
+            )
+            d.new_endpoints.append(
+                (
+                    handle,
+                    c.conversation_id,
+                    not c.from_initiator,
+                    group,
+                    svc.queue_id,
+                    c.to_service,
+                    c.from_service,
+                    far.source_instance,
+                    c.contract,
+                    "CO",
+                    priority,
+                    lifetime,
+                    0,
+                    c.max_seq + 1,
+                    far.now,
+                )
+            )
+            d.slices.append((c.start, c.count, len(d.plan)))
+            d.plan.append((svc.queue_id, group, handle, priority, c.to_service, c.contract))
+            d.acks.append((c.source_handle, c.max_seq + 1, c.to_service, c.count))
+            continue
+        _cid, _ini, handle, group, queue_id, priority, service, state, bound, recv = ep
+        if (
+            state not in far.sendable_states
+            or bound not in (None, far.source_instance)
+            or handle in waiting_here
+            or c.min_seq > recv
+        ):
+            d.general.append((c.start, c.count))
+            continue
+        upto = max(recv, c.max_seq + 1)
+        if upto > recv:
+            skip = recv - c.min_seq if recv > c.min_seq else 0
+            d.slices.append((c.start + skip, c.count - skip, len(d.plan)))
+            d.plan.append((queue_id, group, handle, priority, service, c.contract))
+            d.raised[handle] = upto
+        if bound is None:
+            d.bindings.append(handle)
+        d.acks.append((c.source_handle, upto, service, upto - recv))
+    return d
