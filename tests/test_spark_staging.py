@@ -201,6 +201,7 @@ def test_a_task_writes_only_what_follows_the_far_receive_sequence(
                         "to_broker_instance": None,
                         "contract": c.contract_name,
                         "lifetime_epoch": None,
+                        "hops": 0,
                         "part": 0,
                     }
                 )
@@ -218,6 +219,7 @@ def test_a_task_writes_only_what_follows_the_far_receive_sequence(
     got = by_conversation(b, drain_all(b, TARGET_QUEUE))
     assert_exactly_once_in_order(got, {c: [2, 3] for c in got}, "one task")
     assert len(got) == 1 and staged_rows(b) == 2
+    assert staged_rows(b, s.spark_staged_conversation) == 1
     with b.engine.connect() as conn:
         assert sorted(
             conn.execute(

@@ -110,8 +110,9 @@ def write_direct(
         F.col("target_instance").alias("to_broker_instance"),
         F.col("service_contract_name").alias("contract"),
         F.col("lifetime_epoch"),
+        F.col("hops").cast("int").alias("hops"),
         part(parts),
-    ).sortWithinPartitions("conversation_id", "from_initiator", "seq")
+    )
     # Shipped by value: the executors need psycopg and pyarrow, not airflow_broker.
     cloudpickle.register_pickle_by_value(direct_task)
     results = direct_rows.mapInArrow(

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-#: The columns each task reads (:func:`airflow_broker.spark.direct.write` makes them), sorted
-#: by conversation, direction and sequence number within each partition.
+#: The columns each task reads (:func:`airflow_broker.spark.direct.write_direct` makes them);
+#: the task sorts them by conversation, direction and sequence number.
 INPUT_COLUMNS = (
     "conversation_id",
     "from_initiator",
@@ -43,6 +43,7 @@ INPUT_COLUMNS = (
     "to_broker_instance",
     "contract",
     "lifetime_epoch",
+    "hops",
     "part",
 )
 #: What each task returns: ``ack`` rows (a conversation the far broker has every message of
@@ -82,6 +83,20 @@ _ENDPOINT_COLUMNS = (
     "created_at",
 )
 _GROUP_COLUMNS = ("conversation_group_id", "queue_id")
+_STAGED_CONVERSATION_COLUMNS = (
+    "run_id",
+    "source_instance",
+    "conversation_id",
+    "from_initiator",
+    "source_handle",
+    "from_service",
+    "to_service",
+    "to_broker_instance",
+    "contract",
+    "lifetime_epoch",
+    "hops",
+    "part",
+)
 _STAGING_COLUMNS = (
     "run_id",
     "conversation_id",
@@ -149,6 +164,8 @@ class _Conversation:
     to_broker_instance: str | None
     contract: str
     lifetime_epoch: float | None
+    hops: int
+    part: int
 
 
 def _conversations(table: Any) -> list[_Conversation]:
@@ -181,6 +198,8 @@ def _conversations(table: Any) -> list[_Conversation]:
             first["to_broker_instance"][i],
             first["contract"][i],
             first["lifetime_epoch"][i],
+            first["hops"][i],
+            first["part"][i],
         )
         for i, start in enumerate(starts)
     ]
@@ -240,7 +259,11 @@ def write_partition(far: Far, batches: Iterator[Any]) -> Iterator[Any]:
     if not chunks:
         yield pa.RecordBatch.from_pylist([], schema=result)
         return
-    table = pa.Table.from_batches(chunks)
+    # Sorted here by Arrow (0.03-0.16 s for 75,000 rows), not by Spark before the task: the
+    # task's wait for its rows fell by about a third.
+    table = pa.Table.from_batches(chunks).sort_by(
+        [("conversation_id", "ascending"), ("from_initiator", "ascending"), ("seq", "ascending")]
+    )
     conversations = _conversations(table)
     other_types = _with_other_types(table, far)
     with psycopg.connect(far.conninfo) as conn, conn.cursor() as cur:
@@ -270,6 +293,14 @@ def write_partition(far: Far, batches: Iterator[Any]) -> Iterator[Any]:
         _copy(cur, "broker_conversation_endpoint", _ENDPOINT_COLUMNS, decided.endpoints)
         _copy(cur, "broker_message", _QUEUE_COLUMNS, decided.messages(table, far))
         staged = decided.staged(table, far)
+        # Conversations before messages: the next run from this source finds a dead run's
+        # staged messages by its conversations (commit.prepare).
+        _copy(
+            cur,
+            "broker_spark_staged_conversation",
+            _STAGED_CONVERSATION_COLUMNS,
+            decided.staged_conversations(far),
+        )
         _copy(cur, "broker_spark_staging", _STAGING_COLUMNS, staged)
         if decided.raised:
             cur.execute(
@@ -316,8 +347,8 @@ class _Decided:
         self.slices: list[tuple[int, int, int]] = []
         #: per plan index: queue, group, handle, priority, service, contract
         self.plan: list[tuple[int, str, str, int, str, str]] = []
-        #: (first row, rows) of conversations for the staged commit
-        self.general: list[tuple[int, int]] = []
+        #: conversations for the staged commit
+        self.general: list[_Conversation] = []
         self.new_groups: list[tuple[str, int]] = []
         self.new_endpoints: list[tuple[Any, ...]] = []
         self.raised: dict[str, int] = {}
@@ -398,13 +429,43 @@ class _Decided:
         }
         return pa.table([columns[c] for c in _QUEUE_COLUMNS], names=list(_QUEUE_COLUMNS))
 
+    def staged_conversations(self, far: Far) -> Any:
+        """The staged conversation rows of the conversations left to the staged commit."""
+        import pyarrow as pa
+
+        rows = [
+            (
+                far.run_id,
+                far.source_instance,
+                c.conversation_id,
+                c.from_initiator,
+                c.source_handle,
+                c.from_service,
+                c.to_service,
+                c.to_broker_instance,
+                c.contract,
+                c.lifetime_epoch,
+                c.hops,
+                c.part,
+            )
+            for c in self.general
+        ]
+        types = {"to_broker_instance": pa.string(), "lifetime_epoch": pa.float64()}
+        columns = list(zip(*rows, strict=True)) or [()] * len(_STAGED_CONVERSATION_COLUMNS)
+        return pa.table(
+            {
+                name: pa.array(values, types.get(name))
+                for name, values in zip(_STAGED_CONVERSATION_COLUMNS, columns, strict=True)
+            }
+        )
+
     def staged(self, table: Any, far: Far) -> Any:
         """The staging rows of the conversations left to the staged commit."""
         import pyarrow as pa
 
         rows: list[int] = []
-        for start, n in self.general:
-            rows.extend(range(start, start + n))
+        for c in self.general:
+            rows.extend(range(c.start, c.start + c.count))
         taken = table.select(list(_STAGING_COLUMNS[1:])).take(pa.array(rows, pa.int64()))
         return pa.table(
             [pa.repeat(far.run_id, len(rows)), *taken.columns],
@@ -425,7 +486,7 @@ def _decide(
         key = (c.conversation_id, c.from_initiator)
         contiguous = c.count == c.max_seq - c.min_seq + 1
         if key in other_types or not contiguous or c.to_broker_instance not in (None, far.me):
-            d.general.append((c.start, c.count))
+            d.general.append(c)
             continue
         ep = endpoints.get(key)
         if ep is None:
@@ -439,7 +500,7 @@ def _decide(
                 or c.contract not in svc.contracts
                 or priority is None
             ):
-                d.general.append((c.start, c.count))
+                d.general.append(c)
                 continue
             handle, group = str(uuid.uuid4()), str(uuid.uuid4())
             d.new_groups.append((group, svc.queue_id))
@@ -476,7 +537,7 @@ def _decide(
             or handle in waiting_here
             or c.min_seq > recv
         ):
-            d.general.append((c.start, c.count))
+            d.general.append(c)
             continue
         upto = max(recv, c.max_seq + 1)
         if upto > recv:

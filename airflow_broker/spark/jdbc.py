@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import URL, make_url
 
@@ -116,13 +116,14 @@ def _due(dialect: str, due_by: datetime | None) -> str:
     return "" if due_by is None else f" AND t.next_attempt_at <= {_sql_time(dialect, due_by)}"
 
 
-def _pending_from(dialect: str, due_by: datetime | None) -> str:
+def _pending_from(dialect: str, due_by: datetime | None, where: str = "") -> str:
     """The FROM and WHERE of the rows the job moves: the due transmission-queue rows joined to
-    their endpoint."""
+    their endpoint (and ``where``, a condition on them)."""
     return (
         "FROM broker_transmission_queue t "
         "JOIN broker_conversation_endpoint e ON e.conversation_handle = t.conversation_handle "
         f"WHERE {_ROW_MOVES} AND {_ENDPOINT_MOVES}{_due(dialect, due_by)}"
+        + (f" AND ({where})" if where else "")
     )
 
 
@@ -133,9 +134,10 @@ def _text_and_epoch(dialect: str) -> tuple[str, str]:
     return "{}", "(julianday({}) - 2440587.5) * 86400.0"
 
 
-def pending_query(dialect: str, due_by: datetime | None) -> str:
+def pending_query(dialect: str, due_by: datetime | None, where: str = "") -> str:
     """The transmission queue's rows with what routing needs of their endpoint, ids as text
-    and the lifetime as epoch seconds (the same shape from both databases)."""
+    and the lifetime as epoch seconds (the same shape from both databases); ``where``: a
+    condition on ``t``, the transmission queue."""
     as_text, epoch = _text_and_epoch(dialect)
     return f"""
         SELECT t.id,
@@ -152,7 +154,7 @@ def pending_query(dialect: str, due_by: datetime | None) -> str:
                t.message_body,
                {epoch.format("t.lifetime")} AS lifetime_epoch,
                0 AS hops
-        {_pending_from(dialect, due_by)}
+        {_pending_from(dialect, due_by, where)}
     """
 
 
@@ -206,16 +208,16 @@ def read_pending(
     queries: ``by_conversation``, each holding whole conversations (ranges of the conversation
     id); otherwise split on the row id between ``bounds`` (inclusive; None: one query)."""
     jdbc = jdbc_of(url)
-    table = f"({pending_query(jdbc.dialect, due_by)}) pending"
     if by_conversation and partitions > 1:
-        return spark.read.jdbc(
-            jdbc.url,
-            table,
-            predicates=conversation_ranges(jdbc.dialect, partitions),
-            properties={**jdbc.properties, "fetchsize": "10000"},
-        )
-    reader = spark.read.format("jdbc").options(**jdbc.options())
-    reader = reader.option("dbtable", table).option("fetchsize", "10000")
+        # One query a range, each scanning the queue once for its range: Spark's JDBC
+        # ``predicates`` would filter the text ids of the query's output instead of the raw
+        # column (2.5 times the time of each scan, measured).
+        frames = [
+            _reader(spark, jdbc, pending_query(jdbc.dialect, due_by, where)).load()
+            for where in conversation_ranges(jdbc.dialect, partitions)
+        ]
+        return functools.reduce(lambda a, b: a.union(b), frames)
+    reader = _reader(spark, jdbc, pending_query(jdbc.dialect, due_by))
     if bounds is not None and partitions > 1 and bounds[1] > bounds[0]:
         reader = (
             reader.option("partitionColumn", "id")
@@ -226,16 +228,18 @@ def read_pending(
     return reader.load()
 
 
+def _reader(spark: SparkSession, jdbc: Jdbc, query: str) -> Any:
+    reader = spark.read.format("jdbc").options(**jdbc.options())
+    return reader.option("dbtable", f"({query}) pending").option("fetchsize", "10000")
+
+
 def conversation_ranges(dialect: str, partitions: int) -> list[str]:
-    """``partitions`` conditions on the ``conversation_id`` of :func:`pending_query` that split
-    the uuid space into equal ranges (every row in exactly one): uuids compared as uuids on
-    PostgreSQL (its text would compare by the database's collation), as the lower-case hex
-    text SQLite stores."""
+    """``partitions`` conditions on the transmission queue's ``t.conversation_id`` that split
+    the uuid space into equal ranges (every row in exactly one): uuids on PostgreSQL, the
+    lower-case hex text SQLite stores them as."""
     cuts = [uuid.UUID(int=(i << 128) // partitions) for i in range(1, partitions)]
-    if dialect == "postgresql":
-        column, literals = "CAST(conversation_id AS uuid)", [f"'{c}'" for c in cuts]
-    else:
-        column, literals = "conversation_id", [f"'{c.hex}'" for c in cuts]
+    column = "t.conversation_id"
+    literals = [f"'{c if dialect == 'postgresql' else c.hex}'" for c in cuts]
     lows: list[str | None] = [None, *literals]
     highs: list[str | None] = [*literals, None]
     ranges = []

@@ -400,19 +400,20 @@ def _deliver(
 
     commit.prepare(target, me, run_id)
     parts = 1 if target.dialect == "sqlite" else commit_parallelism
-    # Conversations first: prepare() finds a dead run's messages by its conversations.
-    _write(
-        _staged_conversations(chosen, run_id, me, target.dialect, parts),
-        target,
-        s.spark_staged_conversation.name,
-    )
     rows = transforms.with_plan(pending, chosen)
     written: Written | None = None
     if direct and target.dialect == "postgresql":
+        # Each task stages what it cannot write into queues, conversations and messages.
         written = write_direct(rows, chosen, target, run_id, me, parts)
         laps("written")
         staged = written.staged
     else:
+        # Conversations first: prepare() finds a dead run's messages by its conversations.
+        _write(
+            _staged_conversations(chosen, run_id, me, target.dialect, parts),
+            target,
+            s.spark_staged_conversation.name,
+        )
         staged = _write(
             _staged_messages(rows, run_id, target.dialect, parts), target, s.spark_staging.name
         )
