@@ -10,14 +10,14 @@ it), or in-process with :func:`run`. One run:
 2. plans every conversation with the pure transforms of :mod:`airflow_broker.spark.transforms`
    (classification, forwarding rules, routing and load balancing, by the rules of
    :mod:`airflow_broker.routing`);
-3. for each far broker: deletes what earlier dead runs left in its staging tables, writes
-   its conversations' plan there and reads their messages (in parallel JDBC queries, each
-   holding whole conversations). At a PostgreSQL far broker each Spark task writes its
-   conversations straight into the queues, in one transaction that checks and raises their
-   sequence numbers (:mod:`airflow_broker.spark.direct_task`), and stages only those that
-   need the Python path's receiving code; at a SQLite one (or with ``direct=False``) every
-   message is staged (JDBC). The staged commit (:func:`commit.commit`) takes the staged
-   messages into queues exactly once, and the source acknowledges everything delivered
+3. for each far broker: deletes what earlier dead runs left in its staging tables and reads
+   the messages of its conversations (in parallel JDBC queries, each holding whole
+   conversations). At a PostgreSQL far broker each Spark task writes its conversations
+   straight into the queues, in one transaction that checks and raises their sequence numbers
+   (:mod:`airflow_broker.spark.direct_task`), and stages only those that need the Python
+   path's receiving code; at a SQLite one (or with ``direct=False``) the job stages every
+   conversation and message (JDBC). The staged commit (:func:`commit.commit`) takes what was
+   staged into queues exactly once, and the source acknowledges everything delivered
    (:func:`commit.acknowledge`);
 4. records why the others wait (no route, unreachable, not classified...), as the Python
    delivery pass does, and leaves conversations to services hosted by the source itself to the
