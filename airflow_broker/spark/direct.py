@@ -96,23 +96,23 @@ def write_direct(
     from pyspark.sql import functions as F
 
     far = _far(target, chosen, run_id, me)
-    body = F.concat(F.lit("\\x"), F.hex("message_body"))  # bytea's hex input form
-    direct_rows = rows.select(
-        F.col("conversation_id"),
-        F.col("is_initiator").alias("from_initiator"),
-        F.col("message_sequence_number").alias("seq"),
-        F.col("message_type_name").alias("message_type"),
-        F.col("validation"),
-        body.alias("message_body"),
-        F.col("conversation_handle").alias("source_handle"),
-        F.col("from_service_name").alias("from_service"),
-        F.col("to_service_name").alias("to_service"),
-        F.col("target_instance").alias("to_broker_instance"),
-        F.col("service_contract_name").alias("contract"),
-        F.col("lifetime_epoch"),
-        F.col("hops").cast("int").alias("hops"),
-        part(parts),
-    )
+    columns = {
+        "conversation_id": F.col("conversation_id"),
+        "from_initiator": F.col("is_initiator"),
+        "seq": F.col("message_sequence_number"),
+        "message_type": F.col("message_type_name"),
+        "validation": F.col("validation"),
+        "message_body": jdbc.bytea_text(F.col("message_body")),
+        "source_handle": F.col("conversation_handle"),
+        "from_service": F.col("from_service_name"),
+        "to_service": F.col("to_service_name"),
+        "to_broker_instance": F.col("target_instance"),
+        "contract": F.col("service_contract_name"),
+        "lifetime_epoch": F.col("lifetime_epoch"),
+        "hops": F.col("hops").cast("int"),
+        "part": part(parts),
+    }
+    direct_rows = rows.select(*[columns[c].alias(c) for c in direct_task.INPUT_COLUMNS])
     # Shipped by value: the executors need psycopg and pyarrow, not airflow_broker.
     cloudpickle.register_pickle_by_value(direct_task)
     results = direct_rows.mapInArrow(

@@ -234,10 +234,19 @@ def _csv(table: Any) -> Iterator[bytes]:
 
 
 def _copy(cur: Any, name: str, columns: tuple[str, ...], table: Any) -> None:
+    """An Arrow table of many rows (messages) into ``name``, as CSV."""
     if table.num_rows:
         with cur.copy(f"COPY {name} ({', '.join(columns)}) FROM STDIN (FORMAT csv)") as copy:
             for chunk in _csv(table):
                 copy.write(chunk)
+
+
+def _copy_rows(cur: Any, name: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
+    """A few rows (one a conversation) into ``name``, each adapted by psycopg."""
+    if rows:
+        with cur.copy(f"COPY {name} ({', '.join(columns)}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
 
 
 def write_partition(far: Far, batches: Iterator[Any]) -> Iterator[Any]:
@@ -289,13 +298,13 @@ def write_partition(far: Far, batches: Iterator[Any]) -> Iterator[Any]:
         )
         waiting_here = {r[0] for r in cur.fetchall()}
         decided = _decide(far, conversations, other_types, endpoints, waiting_here)
-        _copy(cur, "broker_conversation_group", _GROUP_COLUMNS, decided.groups)
-        _copy(cur, "broker_conversation_endpoint", _ENDPOINT_COLUMNS, decided.endpoints)
+        _copy_rows(cur, "broker_conversation_group", _GROUP_COLUMNS, decided.new_groups)
+        _copy_rows(cur, "broker_conversation_endpoint", _ENDPOINT_COLUMNS, decided.new_endpoints)
         _copy(cur, "broker_message", _QUEUE_COLUMNS, decided.messages(table, far))
         staged = decided.staged(table, far)
         # Conversations before messages: the next run from this source finds a dead run's
         # staged messages by its conversations (commit.prepare).
-        _copy(
+        _copy_rows(
             cur,
             "broker_spark_staged_conversation",
             _STAGED_CONVERSATION_COLUMNS,
@@ -356,34 +365,6 @@ class _Decided:
         #: (source handle, upto, far service, messages new here)
         self.acks: list[tuple[str, int, str, int]] = []
 
-    @property
-    def groups(self) -> Any:
-        import pyarrow as pa
-
-        return pa.table(
-            {
-                "conversation_group_id": [g for g, _ in self.new_groups],
-                "queue_id": pa.array([q for _, q in self.new_groups], pa.int32()),
-            }
-        )
-
-    @property
-    def endpoints(self) -> Any:
-        import pyarrow as pa
-
-        columns = list(zip(*self.new_endpoints, strict=True)) or [()] * len(_ENDPOINT_COLUMNS)
-        return pa.table(
-            {
-                name: pa.array(
-                    values,
-                    pa.timestamp("us", "UTC") if name in ("lifetime", "created_at") else None,
-                )
-                if values
-                else pa.array([], pa.string())
-                for name, values in zip(_ENDPOINT_COLUMNS, columns, strict=True)
-            }
-        )
-
     def messages(self, table: Any, far: Far) -> Any:
         """The queue rows: each taken row with its conversation's endpoint here."""
         import pyarrow as pa
@@ -429,11 +410,9 @@ class _Decided:
         }
         return pa.table([columns[c] for c in _QUEUE_COLUMNS], names=list(_QUEUE_COLUMNS))
 
-    def staged_conversations(self, far: Far) -> Any:
+    def staged_conversations(self, far: Far) -> list[tuple[Any, ...]]:
         """The staged conversation rows of the conversations left to the staged commit."""
-        import pyarrow as pa
-
-        rows = [
+        return [
             (
                 far.run_id,
                 far.source_instance,
@@ -450,14 +429,6 @@ class _Decided:
             )
             for c in self.general
         ]
-        types = {"to_broker_instance": pa.string(), "lifetime_epoch": pa.float64()}
-        columns = list(zip(*rows, strict=True)) or [()] * len(_STAGED_CONVERSATION_COLUMNS)
-        return pa.table(
-            {
-                name: pa.array(values, types.get(name))
-                for name, values in zip(_STAGED_CONVERSATION_COLUMNS, columns, strict=True)
-            }
-        )
 
     def staged(self, table: Any, far: Far) -> Any:
         """The staging rows of the conversations left to the staged commit."""

@@ -294,6 +294,13 @@ def conninfo(url: str | URL) -> str:
     return u.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
+def bytea_text(column: Any) -> Any:
+    """A binary column as bytea's hex input form (``\\x...``), for COPY's CSV."""
+    from pyspark.sql import functions as F
+
+    return F.concat(F.lit("\\x"), F.hex(column))
+
+
 def copy_table(df: DataFrame, url: str | URL, table: str) -> int:
     """Append ``df`` to ``table`` of a PostgreSQL broker with ``COPY`` (no statement to bind
     and plan per batch, as JDBC's INSERTs have): each Spark partition streams its rows as CSV
@@ -312,7 +319,7 @@ def copy_table(df: DataFrame, url: str | URL, table: str) -> int:
     for f in df.schema.fields:
         column = F.col(f.name)
         if isinstance(f.dataType, T.BinaryType):
-            column = F.concat(F.lit("\\x"), F.hex(column))  # bytea's hex input form
+            column = bytea_text(column)
         columns.append(column.alias(f.name))
     statement = f"COPY {table} ({', '.join(df.columns)}) FROM STDIN (FORMAT csv)"
     # Shipped by value: the executors need psycopg and pyarrow, not airflow_broker (whose
@@ -328,6 +335,7 @@ __all__ = [
     "DEBIAN_JARS",
     "MAVEN_PACKAGES",
     "Jdbc",
+    "bytea_text",
     "conninfo",
     "conversation_ranges",
     "copy_table",
