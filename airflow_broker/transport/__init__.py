@@ -3,6 +3,8 @@ forwarding, resolution).
 
 - :mod:`~airflow_broker.transport.outbound`: :class:`Transport`, the pass over the transmission
   queue that pushes batches to far brokers and applies their answers;
+- :mod:`~airflow_broker.transport.pipeline`: on PostgreSQL, a pass's batches in overlapping
+  stages (take, push, record), never two in flight on one conversation;
 - :mod:`~airflow_broker.transport.inbound`: :class:`Inbound`, the far broker's receiving
   transaction;
 - :mod:`~airflow_broker.transport.forwarding`: :class:`Forwarder` and the non-durable store of

@@ -29,7 +29,7 @@ from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.storage.identity import copy_refusal
-from airflow_broker.transport import inbox, route_requests
+from airflow_broker.transport import inbox, pipeline, route_requests
 from airflow_broker.transport.arrival import fail_endpoint
 from airflow_broker.transport.forwarding import (
     _key,
@@ -49,6 +49,7 @@ from airflow_broker.transport.packets import (
     Unreachable,
     _first_line,
 )
+from airflow_broker.transport.pipeline import Batch
 from airflow_broker.transport.resolve import resolve
 
 log = logging.getLogger("airflow_broker")
@@ -101,6 +102,8 @@ class Transport:
 
     #: messages per push to a far broker (one transaction there)
     BATCH = 500
+    #: PostgreSQL: batches of a pass in flight at once (:mod:`.pipeline`); 1: one at a time
+    IN_FLIGHT = 2
 
     def __init__(self, broker: BrokerContext) -> None:
         self.b = broker
@@ -162,14 +165,20 @@ class Transport:
         else:
             inbox.accept_inbox(self, counts)  # what peers that may only deliver pushed here
             self._collect_answers(counts)
-        while budget is None or budget > 0:
-            n = self._transmission_batch(
-                self.BATCH if budget is None else min(self.BATCH, budget), retry_now, counts, after
-            )
-            if n == 0:
-                break
-            if budget is not None:
-                budget -= n
+        if self.b.dialect == "postgresql" and self.IN_FLIGHT > 1:
+            pipeline.deliver_batches(self, budget, retry_now, counts)
+        else:
+            while budget is None or budget > 0:
+                n = self._transmission_batch(
+                    self.BATCH if budget is None else min(self.BATCH, budget),
+                    retry_now,
+                    counts,
+                    after,
+                )
+                if n == 0:
+                    break
+                if budget is not None:
+                    budget -= n
         if self.refused is None:
             self._transit_pass(retry_now, counts)
         route_requests.answer_requests(self.b)
@@ -224,7 +233,26 @@ class Transport:
         self, limit: int, retry_now: bool, counts: dict[str, int], after: list[Any]
     ) -> int:
         """Take up to ``limit`` due messages (none taken before in this pass), deliver them;
-        returns how many were taken."""
+        returns how many were taken. One batch at a time (SQLite, or ``IN_FLIGHT`` 1)."""
+        batch = self._take(limit, retry_now, after, room=0)
+        if batch is None:
+            return 0
+        try:
+            if self.b.dialect != "postgresql":
+                # SQLite: no lock is held while far brokers are called; results are written in
+                # one write transaction afterwards (a duplicate push is harmless). The plan's
+                # only writes, session keys agreed for secure dialogs, commit before they go.
+                batch.conn.commit()
+            self._finish(batch, self._send(batch.plan), counts)
+        finally:
+            batch.conn.close()
+        return len(batch.rows)
+
+    def _take(self, limit: int, retry_now: bool, after: list[Any], *, room: int) -> Batch | None:
+        """Up to ``limit`` due messages after ``after`` (a keyset it moves on), locked in a new
+        source transaction, and their plan; None when there are none. With ``room`` > 0, a full
+        batch takes up to ``room`` more rows to complete its last conversation; the batch is
+        open-ended if that conversation may still go on after it."""
         b = self.b
         t, e = s.transmission_queue, s.conversation_endpoint
         now = utcnow()
@@ -238,35 +266,55 @@ class Transport:
             )
             .join(e, e.c.conversation_handle == t.c.conversation_handle)
             .order_by(t.c.conversation_handle, t.c.message_sequence_number)
-            .limit(limit)
         )
         if not retry_now:
             stmt = stmt.where(t.c.next_attempt_at <= now)
-        if after:
-            # Keyset: each batch starts where the last one ended (rows it could not deliver stay).
-            stmt = stmt.where(
-                tuple_(t.c.conversation_handle, t.c.message_sequence_number) > tuple_(*after)
-            )
         if b.dialect == "postgresql":
             stmt = stmt.with_for_update(of=t, skip_locked=True)
-        with b.engine.connect() as conn:
-            rows = conn.execute(stmt).all()
+        # Keyset: each batch starts where the last one ended (rows it could not deliver stay).
+        first = stmt.limit(limit)
+        if after:
+            first = first.where(
+                tuple_(t.c.conversation_handle, t.c.message_sequence_number) > tuple_(*after)
+            )
+        conn = b.engine.connect()
+        try:
+            rows = list(conn.execute(first).all())
             if not rows:
                 conn.rollback()
-                return 0
+                conn.close()
+                return None
+            # A full batch's last conversation may go on after it.
+            open_ended = len(rows) == limit
+            last = rows[-1]
+            if open_ended and room > 0 and last.conversation_handle != rows[0].conversation_handle:
+                rest = conn.execute(
+                    stmt.where(
+                        t.c.conversation_handle == last.conversation_handle,
+                        t.c.message_sequence_number > last.message_sequence_number,
+                    ).limit(room)
+                ).all()
+                rows += rest
+                open_ended = len(rest) == room
             after[:] = [rows[-1].conversation_handle, rows[-1].message_sequence_number]
             me = b.instance_id_on(conn)
-            plan = self._plan(conn, list(rows), me, now)
-            if b.dialect != "postgresql":
-                # SQLite: no lock is held while far brokers are called; results are written in
-                # one write transaction afterwards (a duplicate push is harmless). The plan's
-                # only writes, session keys agreed for secure dialogs, commit before they go.
-                conn.commit()
-            results = self._send(plan)
-            self._record(conn, plan, results, me, now, counts)
-            conn.commit()
-        route_requests.request_routes(self.b, plan["missing"])
-        return len(rows)
+            plan = self._plan(conn, rows, me, now)
+        except BaseException:
+            conn.close()
+            raise
+        return Batch(conn, rows, plan, me, now, open_ended)
+
+    def _finish(
+        self,
+        batch: Batch,
+        results: list[tuple[list[Packet], Outcome | None, str]],
+        counts: dict[str, int],
+    ) -> None:
+        """What the far brokers answered, applied in the batch's source transaction, and its
+        commit."""
+        self._record(batch.conn, batch.plan, results, batch.me, batch.now, counts)
+        batch.conn.commit()
+        route_requests.request_routes(self.b, batch.plan["missing"])
 
     def _plan(self, conn: Connection, rows: list[Any], me: str, now: datetime) -> dict[str, Any]:
         """Route each conversation: local ones, remote ones by address, delayed ones."""
