@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import transport_procs as tp
@@ -56,6 +57,7 @@ from transport_procs import (
     pump,
     reply_to_all,
     send_dialogs,
+    send_more,
     two_way,
 )
 
@@ -68,6 +70,7 @@ from airflow_broker.constants import (
 from airflow_broker.routing import pick_broker_instance
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
+from airflow_broker.transport import Transport
 
 MP = multiprocessing.get_context("forkserver")
 MP.set_forkserver_preload(
@@ -309,6 +312,38 @@ def test_delivery_killed_after_the_far_commit_is_rerun_without_duplicates(
     assert_exactly_once_in_order(got, expected, "b")
     assert message_count(b, TARGET_QUEUE) == 0
     assert {endpoints(a)[h].far_broker_instance for h in handles} == {net.id("b")}
+
+
+class LosesItsAnswers(Transport):
+    """Pushes each batch and fails before applying the far broker's answers: the far broker
+    has the messages, this side still holds every row (as after a crash between the two
+    commits)."""
+
+    def _finish(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("lost before this side's commit")
+
+
+@pytest.mark.xdist_group("transport")
+def test_a_batch_of_messages_the_far_broker_has_and_new_ones_after_them(
+    network: Network,
+) -> None:
+    """The far broker takes each conversation's repeats as duplicates (acknowledged again,
+    queued once) and the new messages that follow them, in order, in the same batch."""
+    net = network("a", "b")
+    two_way(net)
+    a, b = net["a"], net["b"]
+    handles = send_dialogs(a, [4] * 6)
+    with pytest.raises(RuntimeError, match="lost before"):
+        LosesItsAnswers(a).deliver()
+    assert message_count(b, TARGET_QUEUE) == 24
+    assert len(a.transmission_queue()) == 24
+    send_more(a, handles, 4, 3)
+    report = a.deliver()
+    assert report.acknowledged == 6 * 7
+    assert a.transmission_queue() == []
+    conv_of = conversation_ids(a, handles)
+    got = by_conversation(b, drain_all(b, TARGET_QUEUE))
+    assert_exactly_once_in_order(got, {conv_of[h]: range(7) for h in handles}, "b")
 
 
 # -- dialogs across databases --

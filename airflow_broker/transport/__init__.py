@@ -6,7 +6,8 @@ forwarding, resolution).
 - :mod:`~airflow_broker.transport.pipeline`: on PostgreSQL, a pass's batches in overlapping
   stages (take, push, record), never two in flight on one conversation;
 - :mod:`~airflow_broker.transport.inbound`: :class:`Inbound`, the far broker's receiving
-  transaction;
+  transaction, and :mod:`~airflow_broker.transport.taker`, what it does conversation by
+  conversation;
 - :mod:`~airflow_broker.transport.forwarding`: :class:`Forwarder` and the non-durable store of
   what a forwarder holds in transit;
 - :mod:`~airflow_broker.transport.resolve`: from a route's address to a broker database;
@@ -52,7 +53,7 @@ Mirrors
 from __future__ import annotations
 
 from airflow_broker.transport.forwarding import Forwarder, in_transit
-from airflow_broker.transport.inbound import Inbound, apply_answers
+from airflow_broker.transport.inbound import Inbound
 from airflow_broker.transport.outbound import Transport
 from airflow_broker.transport.packets import (
     ACK,
@@ -64,6 +65,7 @@ from airflow_broker.transport.packets import (
     Unreachable,
 )
 from airflow_broker.transport.resolve import env_name, resolve
+from airflow_broker.transport.taker import apply_answers
 
 __all__ = [
     "ACK",

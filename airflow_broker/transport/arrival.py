@@ -46,6 +46,8 @@ class Definitions:
         self._hosted: dict[str, Hosted] | None = None
         #: (contract, this service, far service) -> the priority of a new endpoint
         self._priorities: dict[tuple[str, str, str], int] = {}
+        #: (contract, from initiator, message type) -> :meth:`plain`
+        self._plain: dict[tuple[str, bool, str], bool] = {}
 
     def hosted(self) -> dict[str, Hosted]:
         if self._hosted is None:
@@ -65,14 +67,7 @@ class Definitions:
         description, or None; the validation code the body passed, None for system types)."""
         if p.message_type in SYSTEM_MESSAGE_TYPES:
             return None, None
-        key = (contract, p.message_type)
-        rule = self._rules.get(key)
-        if rule is None:
-            try:
-                rule = contract_rule(self.b, self.conn, contract, p.message_type)
-            except BrokerError as exc:
-                rule = exc
-            self._rules[key] = rule
+        rule = self._rule(contract, p.message_type)
         if isinstance(rule, BrokerError):
             return (ERR_MESSAGE_INVALID, f"at broker instance {self.me}: {rule}"), None
         sent_by, validation, schema_ = rule
@@ -88,6 +83,33 @@ class Definitions:
         except (MessageValidationError, ContractViolation) as exc:
             return (ERR_MESSAGE_INVALID, f"discarded at broker instance {self.me}: {exc}"), None
         return None, VALIDATION_CODES[validation]
+
+    def _rule(self, contract: str, message_type: str) -> tuple[str, str, Any] | BrokerError:
+        key = (contract, message_type)
+        rule = self._rules.get(key)
+        if rule is None:
+            try:
+                rule = contract_rule(self.b, self.conn, contract, message_type)
+            except BrokerError as exc:
+                rule = exc
+            self._rules[key] = rule
+        return rule
+
+    def plain(self, contract: str, from_initiator: bool, message_type: str) -> bool:
+        """Whether :meth:`check` accepts every message of this type from that side whatever
+        its body, with validation code ``N``: a type of the contract that side may send, not a
+        system type, with no validation here."""
+        key = (contract, from_initiator, message_type)
+        known = self._plain.get(key)
+        if known is None:
+            rule = (
+                None if message_type in SYSTEM_MESSAGE_TYPES else self._rule(contract, message_type)
+            )
+            side = "initiator" if from_initiator else "target"
+            known = self._plain[key] = (
+                isinstance(rule, tuple) and rule[0] in (side, "any") and rule[1] == "none"
+            )
+        return known
 
 
 def opened(key: bytes, p: Packet) -> Packet:

@@ -37,7 +37,7 @@ from airflow_broker.transport.forwarding import (
     _memory_transit,
     _packet_of_transit,
 )
-from airflow_broker.transport.inbound import Inbound, apply_answers
+from airflow_broker.transport.inbound import Inbound
 from airflow_broker.transport.packets import (
     _UNREACHABLE,
     DROPPED,
@@ -51,6 +51,7 @@ from airflow_broker.transport.packets import (
 )
 from airflow_broker.transport.pipeline import Batch
 from airflow_broker.transport.resolve import resolve
+from airflow_broker.transport.taker import apply_answers
 
 log = logging.getLogger("airflow_broker")
 
