@@ -165,3 +165,45 @@ def test_a_failed_stage_stops_the_pass_and_loses_nothing(net: Net) -> None:
     assert arrived == sum(COUNTS) - waiting
     deliver_until_empty(a, retry_now=True)
     sent_and_got(net, handles)
+
+
+class SendsDuringThePass(Watched):
+    """After taking the first batch that is not open-ended, another transaction sends one more
+    message on that batch's last conversation (as a SEND while the pass runs would)."""
+
+    def __init__(self, broker: Broker, sent: dict[uuid.UUID, int]) -> None:
+        super().__init__(broker)
+        self.broker = broker
+        #: messages sent so far, by handle
+        self.sent = sent
+        self.sent_on: uuid.UUID | None = None
+
+    def _take(self, *args: Any, **kwargs: Any) -> Batch | None:
+        batch = super()._take(*args, **kwargs)
+        if batch is not None and not batch.open_ended and self.sent_on is None:
+            self.sent_on = batch.rows[-1].conversation_handle
+            with self.broker.transaction() as tx:
+                tx.send(self.sent_on, body={"n": self.sent[self.sent_on]})
+        return batch
+
+
+def test_a_message_sent_on_a_batch_conversation_meanwhile_waits_for_the_next_pass(
+    net: Net,
+) -> None:
+    """The batches after a closed one start after its last conversation: a message sent on it
+    while the batch is in flight is not taken by a later batch of the same pass (which would
+    then share the conversation), and the next pass delivers it in order."""
+    a = net["a"]
+    handles = send_dialogs(a, COUNTS)
+    t = SendsDuringThePass(a, dict(zip(handles, COUNTS, strict=True)))
+    t.deliver()
+    assert t.sent_on is not None
+    assert t.shared == []
+    left = a.transmission_queue()
+    assert [r.conversation_handle for r in left] == [t.sent_on]
+    deliver_until_empty(a, retry_now=True)
+    counts = [c + (h == t.sent_on) for h, c in zip(handles, COUNTS, strict=True)]
+    conv_of = conversation_ids(a, handles)
+    expected = {conv_of[h]: range(c) for h, c in zip(handles, counts, strict=True)}
+    got = by_conversation(net["b"], drain_all(net["b"], TARGET_QUEUE))
+    assert_exactly_once_in_order(got, expected, "b")

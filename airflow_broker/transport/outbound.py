@@ -252,8 +252,9 @@ class Transport:
     def _take(self, limit: int, retry_now: bool, after: list[Any], *, room: int) -> Batch | None:
         """Up to ``limit`` due messages after ``after`` (a keyset it moves on), locked in a new
         source transaction, and their plan; None when there are none. With ``room`` > 0, a full
-        batch takes up to ``room`` more rows to complete its last conversation; the batch is
-        open-ended if that conversation may still go on after it."""
+        batch takes up to ``room`` more rows to complete its last conversation, and unless that
+        conversation may still go on after them, the next batch starts after it (the batch is
+        not open-ended: no later batch of the pass shares a conversation with it)."""
         b = self.b
         t, e = s.transmission_queue, s.conversation_endpoint
         now = utcnow()
@@ -264,6 +265,7 @@ class Transport:
                 e.c.far_broker_instance.label("bound_instance"),
                 e.c.service_name.label("ep_service"),
                 e.c.encryption,
+                e.c.send_sequence,
             )
             .join(e, e.c.conversation_handle == t.c.conversation_handle)
             .order_by(t.c.conversation_handle, t.c.message_sequence_number)
@@ -272,11 +274,17 @@ class Transport:
             stmt = stmt.where(t.c.next_attempt_at <= now)
         if b.dialect == "postgresql":
             stmt = stmt.with_for_update(of=t, skip_locked=True)
-        # Keyset: each batch starts where the last one ended (rows it could not deliver stay).
+        # Keyset: each batch starts where the last one ended (rows it could not deliver stay):
+        # after its last row, or after its last conversation when that one is closed for this
+        # pass (then no later batch shares it, whatever is sent on it meanwhile).
         first = stmt.limit(limit)
         if after:
+            handle, seq, closed = after
             first = first.where(
-                tuple_(t.c.conversation_handle, t.c.message_sequence_number) > tuple_(*after)
+                t.c.conversation_handle > handle
+                if closed
+                else tuple_(t.c.conversation_handle, t.c.message_sequence_number)
+                > tuple_(handle, seq)
             )
         conn = b.engine.connect()
         try:
@@ -285,9 +293,12 @@ class Transport:
                 conn.rollback()
                 conn.close()
                 return None
-            # A full batch's last conversation may go on after it.
-            open_ended = len(rows) == limit
+            # A full batch's last conversation may go on after it, unless its last row is the
+            # last message sent on it.
             last = rows[-1]
+            open_ended = (
+                len(rows) == limit and last.message_sequence_number + 1 < last.send_sequence
+            )
             if open_ended and room > 0 and last.conversation_handle != rows[0].conversation_handle:
                 rest = conn.execute(
                     stmt.where(
@@ -297,13 +308,15 @@ class Transport:
                 ).all()
                 rows += rest
                 open_ended = len(rest) == room
-            after[:] = [rows[-1].conversation_handle, rows[-1].message_sequence_number]
+            # Closed: the next batch starts after this one's last conversation.
+            closed = room > 0 and not open_ended
+            after[:] = [rows[-1].conversation_handle, rows[-1].message_sequence_number, closed]
             me = b.instance_id_on(conn)
             plan = self._plan(conn, rows, me, now)
         except BaseException:
             conn.close()
             raise
-        return Batch(conn, rows, plan, me, now, open_ended)
+        return Batch(conn, rows, plan, me, now, not closed)
 
     def _finish(
         self,

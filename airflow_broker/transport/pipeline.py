@@ -16,10 +16,12 @@ far broker commits before the source does, and a process that dies leaves at mos
 flight to be sent again (the far broker acknowledges the duplicates and writes nothing twice).
 
 Batches in flight never share a conversation: a full batch takes the rest of its last
-conversation (:meth:`Transport._take`'s ``room``), and when it cannot (a conversation longer than
-a batch, or the pass's budget) the pipeline drains before the next batch. So recording one batch
-(an Error notice that drops a conversation's waiting rows, say) never waits for rows another
-batch in flight holds, which would stop the pass: the batch holding them commits only after it.
+conversation (:meth:`Transport._take`'s ``room``) and the next batch starts after that
+conversation, so a message sent on it meanwhile waits for the next pass; when a batch cannot
+(a conversation longer than a batch, or the pass's budget) the pipeline drains before the next
+batch. So recording one batch (an Error notice that drops a conversation's waiting rows, say)
+never waits for rows another batch in flight holds, which would stop the pass: the batch
+holding them commits only after it.
 
 SQLite keeps one batch at a time: one writer, and no lock is held while far brokers are called.
 """
@@ -52,7 +54,7 @@ class Batch:
     plan: dict[str, Any]
     me: str
     now: datetime
-    #: its last conversation may go on in rows after it
+    #: the next batch may take rows of its last conversation
     open_ended: bool
 
 
