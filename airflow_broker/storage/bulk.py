@@ -150,8 +150,14 @@ def _copy_plan(
 
 
 def _copy_rows(
-    conn: Connection, table: Table, columns: tuple[str, ...], rows: Sequence[dict[str, Any]]
+    conn: Connection,
+    table: Table,
+    columns: tuple[str, ...],
+    rows: Sequence[Any],
+    *,
+    tuples: bool = False,
 ) -> None:
+    """COPY ``rows``: dicts, or (``tuples``) values already in ``columns``' order."""
     import psycopg  # PostgreSQL only: the engine runs on SQLite without it
 
     statement, types, row_of = _copy_plan(table, columns)
@@ -164,8 +170,12 @@ def _copy_rows(
     try:
         with driver.cursor() as cur, cur.copy(statement) as copy:
             copy.set_types(types)
-            for r in rows:
-                copy.write_row(row_of(r))
+            if tuples:
+                for r in rows:
+                    copy.write_row(r)
+            else:
+                for r in rows:
+                    copy.write_row(row_of(r))
     except psycopg.Error as exc:
         # As SQLAlchemy raises it for a statement: an IntegrityError for a duplicate key (callers
         # catch those, not psycopg's own), and a lost server connection invalidated, so that
@@ -176,6 +186,19 @@ def _copy_rows(
         raise DBAPIError.instance(
             statement, None, exc, psycopg.Error, connection_invalidated=lost
         ) from exc
+
+
+def copy_tuples(
+    conn: Connection, table: Table, columns: tuple[str, ...], rows: Sequence[tuple[Any, ...]]
+) -> None:
+    """PostgreSQL: INSERT ``rows`` (tuples of ``columns``' values) into ``table`` by binary
+    COPY, as :func:`insert_rows` does with dicts, without making a dict of each row."""
+    if not rows:
+        return
+    if not _copyable(conn, table):
+        insert_rows(conn, table, [dict(zip(columns, r, strict=True)) for r in rows])
+        return
+    _copy_rows(conn, table, columns, rows, tuples=True)
 
 
 def update_rows(
@@ -226,6 +249,22 @@ def delete_rows(
     )
 
 
+def delete_ranges(
+    conn: Connection, table: Table, key: str, number: str, ranges: Sequence[tuple[Any, int, int]]
+) -> None:
+    """PostgreSQL: DELETE the rows whose ``key`` is a range's and whose ``number`` is between
+    its first and last (inclusive), for ``(key, first, last)`` ranges."""
+    if ranges:
+        conn.execute(
+            _delete_runs_sql(table, key, number),
+            {
+                "k": [r[0] for r in ranges],
+                "first": [r[1] for r in ranges],
+                "last": [r[2] for r in ranges],
+            },
+        )
+
+
 @cache
 def _delete_runs_sql(table: Table, key: str, number: str) -> TextClause:
     k, n = _pg_type(table.c[key].type), _pg_type(table.c[number].type)
@@ -264,10 +303,7 @@ def delete_runs(
             elif n > run[2]:  # a repeated number is in the run already
                 run = [k, n, n]
                 runs.append(run)
-    conn.execute(
-        _delete_runs_sql(table, key, number),
-        {"k": [r[0] for r in runs], "first": [r[1] for r in runs], "last": [r[2] for r in runs]},
-    )
+    delete_ranges(conn, table, key, number, [(r[0], r[1], r[2]) for r in runs])
 
 
 def any_of(col: ColumnElement[Any], values: Sequence[Any], dialect: str) -> ColumnElement[bool]:

@@ -5,6 +5,9 @@ forwarding, resolution).
   queue that pushes batches to far brokers and applies their answers;
 - :mod:`~airflow_broker.transport.pipeline`: on PostgreSQL, a pass's batches in overlapping
   stages (take, push, record), never two in flight on one conversation;
+- :mod:`~airflow_broker.transport.plan`: a batch routed conversation by conversation, and its
+  rows made packets; :mod:`~airflow_broker.transport.direct`: the common conversation between
+  PostgreSQL brokers taken without packets;
 - :mod:`~airflow_broker.transport.inbound`: :class:`Inbound`, the far broker's receiving
   transaction, and :mod:`~airflow_broker.transport.taker`, what it does conversation by
   conversation;
@@ -29,6 +32,12 @@ Exactly once across two databases
     queue only when that acknowledgment arrives. A delivery process that dies between the far
     commit and its own leaves the message in place; the next pass sends it again, the far broker
     recognizes the duplicate and acknowledges it again.
+
+Without packets, between PostgreSQL brokers
+    The common conversation (an open endpoint, in order, types the far broker does not validate)
+    goes from the sender's rows into the far queue by COPY, and the far broker answers with one
+    number per conversation, below which it has every message (:mod:`.direct`); the same checks
+    hold under the same locks. Everything else goes as packets in the same pass.
 
 Acknowledgments and errors
     travel back as :class:`Packet` objects returned by the far broker's :meth:`Inbound.accept`.

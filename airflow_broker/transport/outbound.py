@@ -9,7 +9,6 @@ import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import delete, select, tuple_, update
@@ -19,18 +18,14 @@ from sqlalchemy.exc import DBAPIError
 from airflow_broker import metrics, routing
 from airflow_broker.messaging.delivery import RETRY_BASE, backoff
 from airflow_broker.messaging.duework import DueWork
-from airflow_broker.messaging.lookups import hosted_services
-from airflow_broker.routing import dynamic
-from airflow_broker.routing.routes import routes_of
-from airflow_broker.security import dialogs
-from airflow_broker.security.crypto import SecurityFailure
 from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.storage.identity import copy_refusal
-from airflow_broker.transport import inbox, pipeline, route_requests
+from airflow_broker.transport import direct, inbox, pipeline, route_requests
 from airflow_broker.transport.arrival import fail_endpoint
+from airflow_broker.transport.direct import Conversation
 from airflow_broker.transport.forwarding import (
     _key,
     _memory_lock,
@@ -42,7 +37,6 @@ from airflow_broker.transport.packets import (
     _UNREACHABLE,
     DROPPED,
     HELD,
-    MESSAGE,
     DeliveryReport,
     Outcome,
     Packet,
@@ -50,52 +44,11 @@ from airflow_broker.transport.packets import (
     _first_line,
 )
 from airflow_broker.transport.pipeline import Batch
+from airflow_broker.transport.plan import message_packets, plan_batch
 from airflow_broker.transport.resolve import resolve
 from airflow_broker.transport.taker import apply_answers
 
 log = logging.getLogger("airflow_broker")
-
-
-#: The columns of a transmission-queue row a packet is made of, in the order of its fields.
-_packet_columns = itemgetter(
-    *(
-        s.transmission_queue.c.keys().index(c)
-        for c in (
-            "conversation_id",
-            "is_initiator",
-            "from_service_name",
-            "to_service_name",
-            "message_sequence_number",
-            "service_contract_name",
-            "message_type_name",
-            "validation",
-            "message_body",
-            "lifetime",
-            "sealed",
-        )
-    )
-)
-
-
-class _Sender:
-    """A transmission-queue row seen as its sending endpoint, for dialog security."""
-
-    __slots__ = (
-        "conversation_handle",
-        "conversation_id",
-        "encryption",
-        "far_service",
-        "is_initiator",
-        "service_name",
-    )
-
-    def __init__(self, r: Any) -> None:
-        self.conversation_handle = r.conversation_handle
-        self.conversation_id = r.conversation_id
-        self.is_initiator = r.is_initiator
-        self.service_name = r.from_service_name
-        self.far_service = r.to_service_name
-        self.encryption = r.encryption
 
 
 class Transport:
@@ -312,7 +265,7 @@ class Transport:
             closed = room > 0 and not open_ended
             after[:] = [rows[-1].conversation_handle, rows[-1].message_sequence_number, closed]
             me = b.instance_id_on(conn)
-            plan = self._plan(conn, rows, me, now)
+            plan = plan_batch(self.b, self.refused, conn, rows, me, now)
         except BaseException:
             conn.close()
             raise
@@ -330,117 +283,18 @@ class Transport:
         batch.conn.commit()
         route_requests.request_routes(self.b, batch.plan["missing"])
 
-    def _plan(self, conn: Connection, rows: list[Any], me: str, now: datetime) -> dict[str, Any]:
-        """Route each conversation: local ones, remote ones by address, delayed ones."""
-        routes = routes_of(self.b, conn)
-        hosted = hosted_services(self.b, conn)
-        by_handle: dict[uuid.UUID, list[Any]] = defaultdict(list)
-        for r in rows:
-            by_handle[r.conversation_handle].append(r)
-        local: list[uuid.UUID] = []
-        delayed: dict[uuid.UUID, str] = {}
-        #: dialog security: conversations that stop (a certificate expired), rows sealed now
-        stopped: dict[uuid.UUID, tuple[int, str]] = {}
-        seal_now: list[dict[str, Any]] = []
-        remote_handles: list[tuple[uuid.UUID, tuple[str, ...], str | None]] = []
-        remote: dict[tuple[str, ...], list[Packet]] = defaultdict(list)
-        packet_rows: dict[tuple[uuid.UUID, int], Any] = {}
-        missing: set[str] = set()
-        for handle, msgs in by_handle.items():
-            first = msgs[0]
-            asked = first.bound_instance
-            service = first.to_service_name
-            decision = routing.delivery_decision(
-                routes,
-                service,
-                asked,
-                dialog_id=first.conversation_id,
-                me=me,
-                now=now,
-                hosted=list(hosted),
-                dynamic_routing=dynamic.present(routes, service, now)
-                and (service in missing or not dynamic.pending(conn, service, now)),
-            )
-            if decision.kind == "local":
-                local.append(handle)
-                continue
-            if decision.kind == "delayed":
-                if decision.step == 4:
-                    missing.add(service)
-                delayed[handle] = decision.reason + " (the conversation is delayed and retried)"
-                continue
-            if self.refused is not None:
-                delayed[handle] = self.refused
-                continue
-            remote_handles.append((handle, decision.addresses, asked or decision.broker_instance))
-        seals = dialogs.for_sending_many(
-            conn,
-            [_Sender(by_handle[h][0]) for h, _, _ in remote_handles],
-            now,
-            # PostgreSQL: a new key commits on its own before the exchange is sent; SQLite:
-            # with the plan, which commits before anything is sent (below).
-            commit_with=self.b.engine if self.b.dialect == "postgresql" else None,
-        )
-        for handle, addresses, target in remote_handles:
-            msgs = by_handle[handle]
-            sealing = seals[handle]
-            if isinstance(sealing, dialogs.Wait):
-                delayed[handle] = sealing.reason
-                continue
-            if isinstance(sealing, SecurityFailure):
-                stopped[handle] = (sealing.code, sealing.reason)
-                continue
-            handshake = sealing.handshake if sealing is not None and msgs[0].is_initiator else None
-            for r in msgs:
-                # By position: a Row's attribute look-up costs ten times its index (0.84 against
-                # 0.08 µs measured), and this loop reads eleven columns of every message.
-                cid, ini, frm, to, seq, contract, mtype, validation, body, lifetime, sealed = (
-                    _packet_columns(r)
-                )
-                if sealing is not None and not sealed:
-                    # Queued before the dialog was secured: sealed now, and kept sealed.
-                    body = dialogs.seal_body(sealing.key, cid, ini, seq, mtype, body)
-                    seal_now.append({"id": r.id, "message_body": body, "sealed": True})
-                remote[addresses].append(
-                    Packet(
-                        MESSAGE,
-                        cid,
-                        ini,
-                        frm,
-                        me,
-                        to,
-                        target,
-                        seq,
-                        contract,
-                        mtype,
-                        validation,
-                        body,
-                        aware(lifetime),
-                        0,
-                        None,
-                        None,
-                        sealing is not None,
-                        # The key exchange rides on the conversation's first packet of the
-                        # batch: the target needs it once, and looks for it among the batch's
-                        # packets.
-                        handshake,
-                    )
-                )
-                handshake = None
-                packet_rows[(cid, seq)] = r
-        return {
-            "missing": missing,
-            "rows": by_handle,
-            "local": local,
-            "delayed": delayed,
-            "remote": remote,
-            "packet_rows": packet_rows,
-            "stopped": stopped,
-            "seal_now": seal_now,
-        }
-
     def _send(self, plan: dict[str, Any]) -> list[tuple[list[Packet], Outcome | None, str]]:
         results: list[tuple[list[Packet], Outcome | None, str]] = []
+        for addresses, conversations in plan["direct"].items():
+            for c in self._send_direct(addresses[0], conversations, plan):
+                plan["remote"][addresses] += message_packets(
+                    c.rows,
+                    plan["me"],
+                    c.target,
+                    plan["sealings"].get(c.handle),
+                    plan["seal_now"],
+                    plan["packet_rows"],
+                )
         for addresses, packets in plan["remote"].items():
             for start in range(0, len(packets), self.BATCH):
                 batch = packets[start : start + self.BATCH]
@@ -459,6 +313,25 @@ class Transport:
                                 outcome.notes[dropped[k]] = note
                 results.append((batch, outcome, "; ".join(failures)))
         return results
+
+    def _send_direct(
+        self, address: str, conversations: list[Conversation], plan: dict[str, Any]
+    ) -> list[Conversation]:
+        """Conversations into the PostgreSQL broker at ``address`` without packets
+        (:mod:`.direct`); returns those left to packets (all of them if it cannot be reached
+        that way: the packets' push says why, or tries the route's other addresses)."""
+        try:
+            peer = resolve(self.b, address)
+            if peer.dialect != "postgresql" or inbox.inbox_mode(peer):
+                return conversations
+            taken, left = direct.accept(peer, plan["me"], conversations)
+        except (DBAPIError, Unreachable) as exc:
+            log.info("%s: delivering as packets: %s", address, _first_line(exc))
+            return conversations
+        if taken.upto:
+            plan["taken"].append(taken)
+            self.after_push(address, taken.inserted)
+        return left
 
     def _record(
         self,
@@ -483,6 +356,7 @@ class Transport:
         inboxed: set[int] = set()
         for handle, reason in plan["delayed"].items():
             waiting += [(r, reason) for r in plan["rows"][handle]]
+        direct.record(conn, plan["rows"], plan["taken"], counts)
         answers: list[Packet] = []
         late: list[inbox.Note] = []
         for batch, outcome, failure in results:

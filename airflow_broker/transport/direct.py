@@ -1,0 +1,403 @@
+"""Delivery's common case between two PostgreSQL brokers, without packets: a conversation's
+messages go from the sender's transmission rows into the far broker's queue in one COPY, and the
+far broker answers with one number per conversation (it now has every message below it)
+instead of one acknowledgment per message.
+
+The far broker takes a conversation this way only when :class:`~.taker.Taker` would take every
+one of its messages into the queue with nothing else to do (its in-order loop): the
+conversation is for this broker, its endpoint here is open (or it is new and starts at 0, for a
+hosted service with an enabled queue that accepts the contract), bound to the sender or to
+nobody, not secure, with no message held for a gap; the messages follow its receive sequence
+number without a gap (after any it already has) and are all of types this broker accepts from
+that side whatever the body. Any other conversation goes as packets, as before, in a
+transaction of its own. Exactly once and order rest where they rest for packets: the far
+endpoints are locked, only messages at or above their receive sequence numbers go in, and the
+numbers are raised in the same transaction.
+
+Only between PostgreSQL brokers the sender reaches directly (not through the inbox of a role
+that may only deliver, :mod:`.inbox`). A secure dialog's messages travel sealed, as packets
+do: the far broker agrees the session key from the key exchange (or has it), opens every body
+before it takes any, and leaves the conversation to packets if it cannot.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from operator import itemgetter
+from typing import Any
+
+from sqlalchemy import Boolean, Uuid, select, text
+from sqlalchemy.engine import Connection
+
+from airflow_broker.constants import (
+    PRECEDENCE_NORMAL,
+    SENDABLE_STATES,
+    STATUS_NOT_COMPLETE,
+    STATUS_READY,
+)
+from airflow_broker.messaging.validation import VALIDATION_CODES
+from airflow_broker.security import dialogs
+from airflow_broker.security.crypto import SecurityFailure
+from airflow_broker.storage import bulk
+from airflow_broker.storage import schema as s
+from airflow_broker.storage.clock import utcnow
+from airflow_broker.storage.context import BrokerContext
+from airflow_broker.storage.identity import copy_refusal
+from airflow_broker.transport.arrival import Definitions
+
+#: A transmission row's sequence number, message type and body, by position.
+_message_columns = itemgetter(
+    *(
+        s.transmission_queue.c.keys().index(c)
+        for c in ("message_sequence_number", "message_type_name", "message_body")
+    )
+)
+#: The far queue's columns as the COPY writes them.
+_QUEUE_COLUMNS = (
+    "queue_id",
+    "conversation_group_id",
+    "conversation_handle",
+    "message_sequence_number",
+    "status",
+    "priority",
+    "precedence",
+    "service_name",
+    "service_contract_name",
+    "message_type_name",
+    "validation",
+    "message_body",
+    "enqueued_at",
+)
+_NO_VALIDATION = VALIDATION_CODES["none"]
+
+
+@dataclass(slots=True)
+class Conversation:
+    """One conversation's rows of a batch, as the sender's plan sees them."""
+
+    #: the sender's endpoint
+    handle: uuid.UUID
+    conversation_id: uuid.UUID
+    from_initiator: bool
+    from_service: str
+    to_service: str
+    contract: str
+    lifetime: datetime | None
+    #: the broker instance the messages are for (None: whichever hosts the service)
+    target: str | None
+    #: transmission-queue rows, in sequence order
+    rows: list[Any]
+    #: dialog security: the bodies are sealed under the dialog's session key
+    secure: bool = False
+    #: dialog security: the initiator's key exchange, until the target has the key
+    handshake: bytes | None = None
+
+
+@dataclass(slots=True)
+class Taken:
+    """What the far broker took: per sender handle, the sequence number it has every message
+    below; the messages it queued; and its instance id (the conversations bind to it)."""
+
+    upto: dict[uuid.UUID, int]
+    inserted: int
+    instance_id: str
+
+
+def accept(
+    peer: BrokerContext, sender: str, conversations: Sequence[Conversation]
+) -> tuple[Taken, list[Conversation]]:
+    """Take what :mod:`this module <.direct>` can of ``conversations`` into ``peer``'s queues
+    in one transaction; returns what it took and the conversations left to packets. Raises
+    what the database raises (the caller sends everything as packets then)."""
+    with peer.engine.begin() as conn:
+        row = conn.execute(
+            text("SELECT instance_id, principal, pg_is_in_recovery() FROM broker_instance")
+        ).first()
+        if row is None or not row[1] or row[2] or copy_refusal(peer, conn) is not None:
+            # Not migrated, not the principal, a standby or a restored copy: the packets'
+            # accept says why.
+            return Taken({}, 0, ""), list(conversations)
+        me = str(row[0])
+        return _Accept(peer, conn, me, sender).run(conversations)
+
+
+class _Accept:
+    """One transaction of the far broker taking conversations the common way."""
+
+    def __init__(self, peer: BrokerContext, conn: Connection, me: str, sender: str) -> None:
+        self.conn = conn
+        self.me = me
+        self.sender = sender
+        self.defs = Definitions(peer, conn, me)
+        self.now = utcnow()
+        self.groups: list[dict[str, Any]] = []
+        self.endpoints: list[dict[str, Any]] = []
+        self.messages: list[tuple[Any, ...]] = []
+        self.dialog_keys: list[dict[str, Any]] = []
+        #: certificates looked up in this transaction (dialog security)
+        self.certificates: dict[Any, Any] = {}
+        self.raised: list[dict[str, Any]] = []
+        self.bindings: list[dict[str, Any]] = []
+        self.upto: dict[uuid.UUID, int] = {}
+
+    def run(self, conversations: Sequence[Conversation]) -> tuple[Taken, list[Conversation]]:
+        hosted = self.defs.hosted()
+        candidates: list[Conversation] = []
+        rest: list[Conversation] = []
+        for c in conversations:
+            mine = c.target == self.me or (c.target is None and c.to_service in hosted)
+            (candidates if mine and self._plain(c) else rest).append(c)
+        if not candidates:
+            return Taken({}, 0, self.me), rest
+        endpoints = self._lock(candidates)
+        handles = [ep["conversation_handle"] for ep in endpoints.values()]
+        waiting = self._waiting(handles)
+        keyed = dialogs.keyed(self.conn, handles)
+        self.keyed = keyed
+        for c in candidates:
+            ep = endpoints.get((c.conversation_id, not c.from_initiator))
+            if ep is None:
+                taken = self._new(c)
+            else:
+                handle = ep["conversation_handle"]
+                taken = (
+                    handle not in waiting
+                    and (c.secure or handle not in keyed)
+                    and self._into(ep, c)
+                )
+            if not taken:
+                rest.append(c)
+        bulk.insert_rows(self.conn, s.conversation_group, self.groups)
+        bulk.insert_rows(self.conn, s.conversation_endpoint, self.endpoints)
+        bulk.insert_rows(self.conn, s.dialog_key, self.dialog_keys)
+        bulk.copy_tuples(self.conn, s.message, _QUEUE_COLUMNS, self.messages)
+        bulk.update_rows(self.conn, s.conversation_endpoint, "conversation_handle", self.raised)
+        bulk.update_rows(
+            self.conn,
+            s.conversation_endpoint,
+            "conversation_handle",
+            self.bindings,
+            only_if_null=("far_broker_instance",),
+        )
+        return Taken(self.upto, len(self.messages), self.me), rest
+
+    def _plain(self, c: Conversation) -> bool:
+        """Messages without a gap between them, all of types taken whatever the body."""
+        plain = self.defs.plain
+        following = c.rows[0].message_sequence_number
+        for r in c.rows:
+            seq, message_type, _body = _message_columns(r)
+            if seq != following or not plain(c.contract, c.from_initiator, message_type):
+                return False
+            following += 1
+        return True
+
+    def _lock(self, conversations: list[Conversation]) -> dict[tuple[uuid.UUID, bool], Any]:
+        """The far endpoints of ``conversations``, locked in handle order."""
+        e = s.conversation_endpoint
+        keys = [(c.conversation_id, not c.from_initiator) for c in conversations]
+        k = bulk.keys_table("k", {"cid": Uuid(), "ini": Boolean()}, keys)
+        on = (e.c.conversation_id == k.c.cid) & (e.c.is_initiator == k.c.ini)
+        stmt = select(e).join(k, on).order_by(e.c.conversation_handle).with_for_update(of=e)
+        return {
+            (r.conversation_id, r.is_initiator): dict(r._mapping) for r in self.conn.execute(stmt)
+        }
+
+    def _waiting(self, handles: list[uuid.UUID]) -> set[uuid.UUID]:
+        """Endpoints holding messages that wait for a gap to fill."""
+        if not handles:
+            return set()
+        m = s.message
+        return set(
+            self.conn.execute(
+                select(m.c.conversation_handle)
+                .where(bulk.any_of(m.c.conversation_handle, handles, "postgresql"))
+                .where(m.c.status == STATUS_NOT_COMPLETE)
+                .distinct()
+            ).scalars()
+        )
+
+    def _new(self, c: Conversation) -> bool:
+        """A dialog's first messages: its endpoint here, as the packets' accept makes it."""
+        hosted = self.defs.hosted().get(c.to_service)
+        if (
+            not c.from_initiator  # a reply whose initiator's endpoint is gone here
+            or c.rows[0].message_sequence_number != 0
+            or hosted is None
+            or hosted.router
+            or not hosted.queue_status
+            or not hosted.accepts(c.contract)
+        ):
+            return False
+        handle, group = uuid.uuid4(), uuid.uuid4()
+        priority = self.defs.priority(c.contract, c.to_service, c.from_service)
+        upto = c.rows[-1].message_sequence_number + 1
+        ep = {
+            "conversation_handle": handle,
+            "conversation_id": c.conversation_id,
+            "is_initiator": not c.from_initiator,
+            "conversation_group_id": group,
+            "queue_id": hosted.queue_id,
+            "service_name": c.to_service,
+            "far_service": c.from_service,
+            "far_broker_instance": self.sender,
+            "contract_name": c.contract,
+            "state": "CO",
+            "priority": priority,
+            "lifetime": c.lifetime,
+            "send_sequence": 0,
+            "receive_sequence": upto,
+            "created_at": self.now,
+        }
+        ok, bodies = self._opened(ep, c)
+        if not ok:
+            return False
+        self.groups.append({"conversation_group_id": group, "queue_id": hosted.queue_id})
+        self.endpoints.append(ep)
+        self._queue(hosted.queue_id, group, handle, priority, c.to_service, c, 0, bodies)
+        self.upto[c.handle] = upto
+        return True
+
+    def _opened(
+        self, ep: dict[str, Any], c: Conversation
+    ) -> tuple[bool, list[bytes | None] | None]:
+        """Whether ``c`` can be taken, and a secure dialog's bodies opened with its session key
+        (agreed now from the key exchange if this is the dialog's first batch here; None for a
+        dialog that is not secure). Not if they cannot be opened: the packets' accept says why,
+        or holds them."""
+        if not c.secure:
+            return True, None
+        try:
+            key, row = dialogs.for_receiving(
+                self.conn,
+                ep,
+                c.handshake,
+                c.from_service,
+                c.rows[0].message_sequence_number,
+                self.now,
+                keys=self.keyed,
+                memo=self.certificates,
+            )
+            bodies = [
+                dialogs.open_body(key, c.conversation_id, c.from_initiator, seq, mtype, body)
+                for seq, mtype, body in map(_message_columns, c.rows)
+            ]
+        except (dialogs.Wait, SecurityFailure):
+            return False, None
+        if row is not None:
+            self.dialog_keys.append(row)
+        return True, bodies
+
+    def _into(self, ep: dict[str, Any], c: Conversation) -> bool:
+        """More messages of a conversation this broker has: those at or above its receive
+        sequence number (the others it has already)."""
+        recv = ep["receive_sequence"]
+        bound = ep["far_broker_instance"]
+        if (
+            ep["state"] not in SENDABLE_STATES
+            or bound not in (None, self.sender)
+            or c.rows[0].message_sequence_number > recv
+        ):
+            return False
+        ok, bodies = self._opened(ep, c)
+        if not ok:
+            return False
+        upto = max(recv, c.rows[-1].message_sequence_number + 1)
+        handle = ep["conversation_handle"]
+        if upto > recv:
+            self._queue(
+                ep["queue_id"],
+                ep["conversation_group_id"],
+                handle,
+                ep["priority"],
+                ep["service_name"],
+                c,
+                recv,
+                bodies,
+            )
+            self.raised.append({"conversation_handle": handle, "receive_sequence": upto})
+        if bound is None:
+            self.bindings.append(
+                {"conversation_handle": handle, "far_broker_instance": self.sender}
+            )
+        self.upto[c.handle] = upto
+        return True
+
+    def _queue(
+        self,
+        queue: int,
+        group: uuid.UUID,
+        handle: uuid.UUID,
+        priority: int,
+        service: str,
+        c: Conversation,
+        start: int,
+        bodies: list[bytes | None] | None,
+    ) -> None:
+        """The queue rows of ``c``'s messages from sequence number ``start`` on (``bodies``:
+        opened, for a secure dialog)."""
+        now, contract, add = self.now, c.contract, self.messages.append
+        for i, r in enumerate(c.rows):
+            seq, message_type, body = _message_columns(r)
+            if bodies is not None:
+                body = bodies[i]
+            if seq >= start:
+                add(
+                    (
+                        queue,
+                        group,
+                        handle,
+                        seq,
+                        STATUS_READY,
+                        priority,
+                        PRECEDENCE_NORMAL,
+                        service,
+                        contract,
+                        message_type,
+                        _NO_VALIDATION,
+                        body,
+                        now,
+                    )
+                )
+
+
+#: Conversations that a far broker took bound to it, if to none yet (locked in handle order,
+#: as an acknowledgment's endpoints are).
+_BIND = text(
+    "UPDATE broker_conversation_endpoint SET far_broker_instance = :instance "
+    "WHERE conversation_handle IN (SELECT conversation_handle FROM broker_conversation_endpoint "
+    "WHERE conversation_handle = ANY(CAST(:handles AS uuid[])) AND far_broker_instance IS NULL "
+    "ORDER BY conversation_handle FOR UPDATE)"
+)
+
+
+def record(
+    conn: Connection,
+    rows: dict[uuid.UUID, list[Any]],
+    taken: Sequence[Taken],
+    counts: dict[str, int],
+) -> None:
+    """The sender, in its batch's transaction: what far brokers took without packets out of
+    its transmission queue (``rows``: the batch's rows by handle), the conversations bound to
+    the broker that took them if to none yet, and the pass's counts."""
+    for t in taken:
+        ranges: list[tuple[uuid.UUID, int, int]] = []
+        unbound: list[uuid.UUID] = []
+        for handle in t.upto:
+            msgs = rows[handle]
+            # The far broker has every message below its number: all of this batch's rows (and
+            # perhaps later ones another pass holds, which that pass removes).
+            first, last = msgs[0].message_sequence_number, msgs[-1].message_sequence_number
+            ranges.append((handle, first, last))
+            counts["delivered"] += len(msgs)
+            counts["acknowledged"] += len(msgs)
+            if msgs[0].bound_instance is None:
+                unbound.append(handle)
+        bulk.delete_ranges(
+            conn, s.transmission_queue, "conversation_handle", "message_sequence_number", ranges
+        )
+        if unbound:
+            conn.execute(_BIND, {"handles": sorted(unbound), "instance": t.instance_id})
