@@ -39,10 +39,12 @@ class StatementTimes:
         event.listen(Engine, "after_cursor_execute", self._after)
         copy_rows = bulk._copy_rows
 
-        def timed_copy(conn: Any, table: Any, columns: tuple[str, ...], rows: Any) -> None:
+        def timed_copy(
+            conn: Any, table: Any, columns: tuple[str, ...], rows: Any, **kwargs: Any
+        ) -> None:
             started = time.perf_counter()
             try:
-                copy_rows(conn, table, columns, rows)
+                copy_rows(conn, table, columns, rows, **kwargs)
             finally:
                 if self._on:
                     self._add(
