@@ -225,3 +225,12 @@ def test_pyspark_python_files_and_jars_are_one_release() -> None:
         f"pyspark's Python files are {pyspark.__version__} but its jars are {_jar_version()}: "
         "pin pyspark and pyspark-client to the same release"
     )
+
+
+def test_the_spark_tasks_queue_columns_are_the_engines() -> None:
+    """direct_task is shipped to Spark's executors by value and may not import the engine: its
+    copy of the queue's insert columns must stay the engine's."""
+    from airflow_broker.messaging.rows import QUEUE_INSERT_COLUMNS
+    from airflow_broker.spark import direct_task
+
+    assert direct_task._QUEUE_COLUMNS == QUEUE_INSERT_COLUMNS

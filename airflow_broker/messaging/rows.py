@@ -27,6 +27,24 @@ from airflow_broker.constants import (
 )
 from airflow_broker.storage import schema as s
 
+#: The columns a message arriving in a queue is written with, in this order (the bulk writes of
+#: delivery and of the Spark job's commit; the rest keep their defaults).
+QUEUE_INSERT_COLUMNS = (
+    "queue_id",
+    "conversation_group_id",
+    "conversation_handle",
+    "message_sequence_number",
+    "status",
+    "priority",
+    "precedence",
+    "service_name",
+    "service_contract_name",
+    "message_type_name",
+    "validation",
+    "message_body",
+    "enqueued_at",
+)
+
 
 def drop_waiting(handle: uuid.UUID) -> Delete:
     """Delete what waits in the transmission queue to leave endpoint ``handle`` (its side failed

@@ -39,6 +39,7 @@ from airflow_broker.constants import (
 )
 from airflow_broker.errors import BrokerError
 from airflow_broker.messaging.lookups import contract_rule, hosted_services, priority_for
+from airflow_broker.messaging.rows import QUEUE_INSERT_COLUMNS
 from airflow_broker.messaging.validation import VALIDATION_CODES
 from airflow_broker.spark.staged import Ack, Committed, _conversations, _same_conversation
 from airflow_broker.storage import bulk
@@ -303,26 +304,7 @@ def _fast(
             rows = _distinct_on(rows, st.c.conversation_id, st.c.from_initiator, st.c.seq)
         elif dedup:
             rows = rows.group_by(st.c.conversation_id, st.c.from_initiator, st.c.seq)
-        conn.execute(
-            insert(m).from_select(
-                [
-                    "queue_id",
-                    "conversation_group_id",
-                    "conversation_handle",
-                    "message_sequence_number",
-                    "status",
-                    "priority",
-                    "precedence",
-                    "service_name",
-                    "service_contract_name",
-                    "message_type_name",
-                    "validation",
-                    "message_body",
-                    "enqueued_at",
-                ],
-                rows,
-            )
-        )
+        conn.execute(insert(m).from_select(list(QUEUE_INSERT_COLUMNS), rows))
         conn.execute(text(f"DROP TABLE {_plan.name}"))
     bulk.update_rows(conn, e, "conversation_handle", raised)
     bulk.update_rows(

@@ -38,6 +38,7 @@ from airflow_broker.constants import (
     STATUS_NOT_COMPLETE,
     STATUS_READY,
 )
+from airflow_broker.messaging.rows import QUEUE_INSERT_COLUMNS
 from airflow_broker.messaging.validation import VALIDATION_CODES
 from airflow_broker.security import dialogs
 from airflow_broker.security.crypto import SecurityFailure
@@ -54,22 +55,6 @@ _message_columns = itemgetter(
         s.transmission_queue.c.keys().index(c)
         for c in ("message_sequence_number", "message_type_name", "message_body")
     )
-)
-#: The far queue's columns as the COPY writes them.
-_QUEUE_COLUMNS = (
-    "queue_id",
-    "conversation_group_id",
-    "conversation_handle",
-    "message_sequence_number",
-    "status",
-    "priority",
-    "precedence",
-    "service_name",
-    "service_contract_name",
-    "message_type_name",
-    "validation",
-    "message_body",
-    "enqueued_at",
 )
 _NO_VALIDATION = VALIDATION_CODES["none"]
 
@@ -137,7 +122,9 @@ class _Accept:
         self.endpoints: list[dict[str, Any]] = []
         self.messages: list[tuple[Any, ...]] = []
         self.dialog_keys: list[dict[str, Any]] = []
-        #: certificates looked up in this transaction (dialog security)
+        #: dialog security: the sealed session keys of the endpoints here, and certificates
+        #: looked up in this transaction
+        self.keyed: dict[uuid.UUID, bytes] = {}
         self.certificates: dict[Any, Any] = {}
         self.raised: list[dict[str, Any]] = []
         self.bindings: list[dict[str, Any]] = []
@@ -155,8 +142,7 @@ class _Accept:
         endpoints = self._lock(candidates)
         handles = [ep["conversation_handle"] for ep in endpoints.values()]
         waiting = self._waiting(handles)
-        keyed = dialogs.keyed(self.conn, handles)
-        self.keyed = keyed
+        keyed = self.keyed = dialogs.keyed(self.conn, handles)
         for c in candidates:
             ep = endpoints.get((c.conversation_id, not c.from_initiator))
             if ep is None:
@@ -173,7 +159,7 @@ class _Accept:
         bulk.insert_rows(self.conn, s.conversation_group, self.groups)
         bulk.insert_rows(self.conn, s.conversation_endpoint, self.endpoints)
         bulk.insert_rows(self.conn, s.dialog_key, self.dialog_keys)
-        bulk.copy_tuples(self.conn, s.message, _QUEUE_COLUMNS, self.messages)
+        bulk.copy_tuples(self.conn, s.message, QUEUE_INSERT_COLUMNS, self.messages)
         bulk.update_rows(self.conn, s.conversation_endpoint, "conversation_handle", self.raised)
         bulk.update_rows(
             self.conn,
