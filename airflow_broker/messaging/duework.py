@@ -130,7 +130,7 @@ class DueWork:
             )
         ).all()
         fired = 0
-        for r in rows:
+        for r in sorted(rows, key=lambda r: r.conversation_handle):  # as _expire_lifetimes
             if r.state == "CD":
                 continue
             self.conn.execute(to_endpoint(r, DIALOG_TIMER, 0, None, "E", now))
@@ -153,7 +153,9 @@ class DueWork:
                 e.c.receive_sequence,
             )
         ).all()
-        for r in rows:
+        # In handle order: the Errors of conversations that expire together are queued in an
+        # order that does not depend on where their rows lie (RETURNING's order).
+        for r in sorted(rows, key=lambda r: r.conversation_handle):
             self.conn.execute(drop_waiting(r.conversation_handle))
             self.conn.execute(
                 to_endpoint(

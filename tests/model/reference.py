@@ -315,7 +315,8 @@ class Model:
             del self.endpoints[h]
 
     def lifetimes_pass(self) -> None:
-        for ep in self.endpoints.values():
+        # The engine queues the Errors of conversations that expire together in handle order.
+        for ep in sorted(self.endpoints.values(), key=lambda ep: str(ep.handle)):
             if ep.lifetime and ep.state not in ("CD", "ER"):
                 ep.state, ep.lifetime, ep.pending = "ER", False, []
                 self._enqueue(ep, None, ERROR, LIFETIME_EXPIRED)
