@@ -80,6 +80,22 @@ def test_insert_rows_writes_every_value_as_given(
     assert _stored(broker, {r["conversation_handle"] for r in rows}) == rows
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("how", ["copy", "unnest"])
+def test_copy_tuples_writes_what_insert_rows_writes(
+    pg_broker: Broker, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows as tuples in the columns' order (the direct delivery path's queue rows): a COPY,
+    or where COPY cannot write (forced here) the same rows through insert_rows."""
+    if how == "unnest":
+        monkeypatch.setattr(bulk, "_copyable", lambda conn, table: False)
+    rows = _messages(57)
+    columns = tuple(rows[0])
+    with pg_broker.engine.begin() as conn:
+        bulk.copy_tuples(conn, s.message, columns, [tuple(r.values()) for r in rows])
+    assert _stored(pg_broker, {r["conversation_handle"] for r in rows}) == rows
+
+
 def test_insert_rows_first_on_a_connection_is_committed_by_its_commit(broker: Broker) -> None:
     """``connect()``, ``insert_rows``, ``commit()``: the rows stay, though no statement began
     the connection's transaction (a COPY is not one SQLAlchemy sees)."""

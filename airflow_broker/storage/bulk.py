@@ -250,7 +250,7 @@ def delete_rows(
 
 
 def delete_ranges(
-    conn: Connection, table: Table, key: str, number: str, ranges: Sequence[tuple[Any, int, int]]
+    conn: Connection, table: Table, key: str, number: str, ranges: Sequence[Sequence[Any]]
 ) -> None:
     """PostgreSQL: DELETE the rows whose ``key`` is a range's and whose ``number`` is between
     its first and last (inclusive), for ``(key, first, last)`` ranges."""
@@ -303,7 +303,7 @@ def delete_runs(
             elif n > run[2]:  # a repeated number is in the run already
                 run = [k, n, n]
                 runs.append(run)
-    delete_ranges(conn, table, key, number, [(r[0], r[1], r[2]) for r in runs])
+    delete_ranges(conn, table, key, number, runs)
 
 
 def any_of(col: ColumnElement[Any], values: Sequence[Any], dialect: str) -> ColumnElement[bool]:

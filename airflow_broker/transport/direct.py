@@ -29,13 +29,12 @@ from datetime import datetime
 from operator import itemgetter
 from typing import Any
 
-from sqlalchemy import Boolean, Uuid, select, text
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from airflow_broker.constants import (
     PRECEDENCE_NORMAL,
     SENDABLE_STATES,
-    STATUS_NOT_COMPLETE,
     STATUS_READY,
 )
 from airflow_broker.messaging.rows import QUEUE_INSERT_COLUMNS
@@ -46,8 +45,9 @@ from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.context import BrokerContext
-from airflow_broker.storage.identity import copy_refusal
 from airflow_broker.transport.arrival import Definitions
+from airflow_broker.transport.inbound import far_settings
+from airflow_broker.transport.taker import held_messages, lock_endpoints, target_endpoint
 
 #: A transmission row's sequence number, message type and body, by position.
 _message_columns = itemgetter(
@@ -98,15 +98,11 @@ def accept(
     in one transaction; returns what it took and the conversations left to packets. Raises
     what the database raises (the caller sends everything as packets then)."""
     with peer.engine.begin() as conn:
-        row = conn.execute(
-            text("SELECT instance_id, principal, pg_is_in_recovery() FROM broker_instance")
-        ).first()
-        if row is None or not row[1] or row[2] or copy_refusal(peer, conn) is not None:
-            # Not migrated, not the principal, a standby or a restored copy: the packets'
-            # accept says why.
+        settings = far_settings(peer, conn)  # Unreachable: not migrated, a restored copy
+        if not settings.principal:
+            # A mirror or a standby: the packets' push says so and tries the other addresses.
             return Taken({}, 0, ""), list(conversations)
-        me = str(row[0])
-        return _Accept(peer, conn, me, sender).run(conversations)
+        return _Accept(peer, conn, settings.instance_id, sender).run(conversations)
 
 
 class _Accept:
@@ -139,9 +135,11 @@ class _Accept:
             (candidates if mine and self._plain(c) else rest).append(c)
         if not candidates:
             return Taken({}, 0, self.me), rest
-        endpoints = self._lock(candidates)
+        endpoints = lock_endpoints(
+            self.conn, [(c.conversation_id, not c.from_initiator) for c in candidates]
+        )
         handles = [ep["conversation_handle"] for ep in endpoints.values()]
-        waiting = self._waiting(handles)
+        waiting = held_messages(self.conn, handles)
         keyed = self.keyed = dialogs.keyed(self.conn, handles)
         for c in candidates:
             ep = endpoints.get((c.conversation_id, not c.from_initiator))
@@ -181,31 +179,6 @@ class _Accept:
             following += 1
         return True
 
-    def _lock(self, conversations: list[Conversation]) -> dict[tuple[uuid.UUID, bool], Any]:
-        """The far endpoints of ``conversations``, locked in handle order."""
-        e = s.conversation_endpoint
-        keys = [(c.conversation_id, not c.from_initiator) for c in conversations]
-        k = bulk.keys_table("k", {"cid": Uuid(), "ini": Boolean()}, keys)
-        on = (e.c.conversation_id == k.c.cid) & (e.c.is_initiator == k.c.ini)
-        stmt = select(e).join(k, on).order_by(e.c.conversation_handle).with_for_update(of=e)
-        return {
-            (r.conversation_id, r.is_initiator): dict(r._mapping) for r in self.conn.execute(stmt)
-        }
-
-    def _waiting(self, handles: list[uuid.UUID]) -> set[uuid.UUID]:
-        """Endpoints holding messages that wait for a gap to fill."""
-        if not handles:
-            return set()
-        m = s.message
-        return set(
-            self.conn.execute(
-                select(m.c.conversation_handle)
-                .where(bulk.any_of(m.c.conversation_handle, handles, "postgresql"))
-                .where(m.c.status == STATUS_NOT_COMPLETE)
-                .distinct()
-            ).scalars()
-        )
-
     def _new(self, c: Conversation) -> bool:
         """A dialog's first messages: its endpoint here, as the packets' accept makes it."""
         hosted = self.defs.hosted().get(c.to_service)
@@ -218,32 +191,36 @@ class _Accept:
             or not hosted.accepts(c.contract)
         ):
             return False
-        handle, group = uuid.uuid4(), uuid.uuid4()
         priority = self.defs.priority(c.contract, c.to_service, c.from_service)
-        upto = c.rows[-1].message_sequence_number + 1
-        ep = {
-            "conversation_handle": handle,
-            "conversation_id": c.conversation_id,
-            "is_initiator": not c.from_initiator,
-            "conversation_group_id": group,
-            "queue_id": hosted.queue_id,
-            "service_name": c.to_service,
-            "far_service": c.from_service,
-            "far_broker_instance": self.sender,
-            "contract_name": c.contract,
-            "state": "CO",
-            "priority": priority,
-            "lifetime": c.lifetime,
-            "send_sequence": 0,
-            "receive_sequence": upto,
-            "created_at": self.now,
-        }
+        ep, group = target_endpoint(
+            c.conversation_id,
+            c.from_initiator,
+            c.to_service,
+            c.from_service,
+            self.sender,
+            c.contract,
+            hosted.queue_id,
+            priority,
+            c.lifetime,
+            self.now,
+        )
+        handle, upto = ep["conversation_handle"], c.rows[-1].message_sequence_number + 1
+        ep["receive_sequence"] = upto
         ok, bodies = self._opened(ep, c)
         if not ok:
             return False
-        self.groups.append({"conversation_group_id": group, "queue_id": hosted.queue_id})
+        self.groups.append(group)
         self.endpoints.append(ep)
-        self._queue(hosted.queue_id, group, handle, priority, c.to_service, c, 0, bodies)
+        self._queue(
+            hosted.queue_id,
+            ep["conversation_group_id"],
+            handle,
+            priority,
+            c.to_service,
+            c,
+            0,
+            bodies,
+        )
         self.upto[c.handle] = upto
         return True
 

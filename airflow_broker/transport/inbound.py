@@ -38,6 +38,24 @@ from airflow_broker.transport.taker import Taker
 log = logging.getLogger("airflow_broker")
 
 
+def far_settings(broker: BrokerContext, conn: Connection) -> _Settings:
+    """The receiving broker's instance id, forwarding and whether it is the principal (not if
+    configured so, or a server in recovery); :class:`Unreachable` if it is not migrated or is
+    a restored copy (:mod:`airflow_broker.storage.identity`)."""
+    bi = s.broker_instance
+    cols: list[Any] = [bi.c.instance_id, bi.c.forwarding, bi.c.principal]
+    if broker.dialect == "postgresql":
+        cols.append(text("pg_is_in_recovery()"))
+    row = conn.execute(select(*cols)).first()
+    if row is None:
+        raise Unreachable(f"{broker!r} is not migrated")
+    refused = copy_refusal(broker, conn)
+    if refused is not None:
+        raise Unreachable(refused)
+    principal = bool(row[2]) and not (len(row) > 3 and row[3])
+    return _Settings(str(row[0]), bool(row[1]), principal)
+
+
 class Inbound:
     """What a broker does with packets that arrive from another broker (or that it relays)."""
 
@@ -47,18 +65,7 @@ class Inbound:
         self.push = push
 
     def _settings(self, conn: Connection) -> _Settings:
-        bi = s.broker_instance
-        cols: list[Any] = [bi.c.instance_id, bi.c.forwarding, bi.c.principal]
-        if self.b.dialect == "postgresql":
-            cols.append(text("pg_is_in_recovery()"))
-        row = conn.execute(select(*cols)).first()
-        if row is None:
-            raise Unreachable(f"{self.b!r} is not migrated")
-        refused = copy_refusal(self.b, conn)  # a restored or cloned copy (storage.identity)
-        if refused is not None:
-            raise Unreachable(refused)
-        principal = bool(row[2]) and not (len(row) > 3 and row[3])
-        return _Settings(str(row[0]), bool(row[1]), principal)
+        return far_settings(self.b, conn)
 
     def accept(self, packets: Sequence[Packet], *, depth: int = 0) -> Outcome:
         """Take a batch of packets: those for this broker in one transaction (messages into

@@ -26,7 +26,6 @@ from airflow_broker.constants import (
     ERR_CONTRACT_NOT_SUPPORTED,
     ERR_SERVICE_NOT_FOUND,
     ERROR,
-    PRECEDENCE_NORMAL,
     SENDABLE_STATES,
     STATUS_NOT_COMPLETE,
     STATUS_READY,
@@ -90,7 +89,6 @@ class Taker:
         self.dialog_keys: list[dict[str, Any]] = []
 
     def run(self, packets: Sequence[Packet], indexes: list[int]) -> None:
-        e = s.conversation_endpoint
         # The batch by conversation (this side's key), in one pass: its messages, its
         # acknowledgments and its notices.
         by_conversation: dict[tuple[uuid.UUID, bool], tuple[list[int], list[int], list[int]]] = {}
@@ -101,24 +99,13 @@ class Taker:
             if kinds is None:
                 kinds = by_conversation[key] = ([], [], [])
             kinds[0 if p.kind == MESSAGE else 1 if p.kind == ACK else 2].append(i)
-        keys = list(by_conversation)
-        # Locked in handle order (ORDER BY below FOR UPDATE), whatever the order of the keys.
-        stmt = select(e).order_by(e.c.conversation_handle)
-        if self.b.dialect == "postgresql":  # one array per key: the same statement every batch
-            k = bulk.keys_table("k", {"cid": Uuid(), "ini": Boolean()}, keys)
-            on = (e.c.conversation_id == k.c.cid) & (e.c.is_initiator == k.c.ini)
-            stmt = stmt.join(k, on).with_for_update(of=e)
-        else:
-            stmt = stmt.where(tuple_(e.c.conversation_id, e.c.is_initiator).in_(keys))
-        endpoints = {
-            (r.conversation_id, r.is_initiator): dict(r._mapping) for r in self.conn.execute(stmt)
-        }
+        endpoints = lock_endpoints(self.conn, list(by_conversation))
         receiving = [
             ep["conversation_handle"]
             for key, ep in endpoints.items()
             if by_conversation[key][0]  # with messages
         ]
-        held = self._held(receiving)
+        held = held_messages(self.conn, receiving)
         self.keyed = dialogs.keyed(self.conn, receiving)
         for key, (messages, acks, notices) in by_conversation.items():
             ep = endpoints.get(key)
@@ -156,20 +143,6 @@ class Taker:
             "message_sequence_number",
             self.acked,
         )
-
-    def _held(self, handles: list[uuid.UUID]) -> dict[uuid.UUID, dict[int, str]]:
-        """Messages that arrived out of order and wait for the gap before them to fill."""
-        if not handles:
-            return {}
-        m = s.message
-        held: dict[uuid.UUID, dict[int, str]] = defaultdict(dict)
-        for r in self.conn.execute(
-            select(m.c.conversation_handle, m.c.message_sequence_number, m.c.message_type_name)
-            .where(bulk.any_of(m.c.conversation_handle, handles, self.b.dialect))
-            .where(m.c.status == STATUS_NOT_COMPLETE)
-        ):
-            held[r.conversation_handle][r.message_sequence_number] = r.message_type_name
-        return held
 
     # acknowledgments and notices for conversations of this broker
     def _acks(self, ep: dict[str, Any], acks: list[Packet]) -> None:
@@ -352,30 +325,13 @@ class Taker:
             if p.seq != following or not plain(contract, p.from_initiator, p.message_type):
                 return False
             following += 1
-        me, now, answers, rows = self.me, self.now, self.answers, self.new_messages
-        queue, group = ep["queue_id"], ep["conversation_group_id"]
-        handle, priority, service = ep["conversation_handle"], ep["priority"], ep["service_name"]
+        me, answers, rows, row = self.me, self.answers, self.new_messages, self._row
         for i in indexes:
             p = packets[i]
             if p.seq >= expected:
-                rows.append(
-                    {
-                        "queue_id": queue,
-                        "conversation_group_id": group,
-                        "conversation_handle": handle,
-                        "message_sequence_number": p.seq,
-                        "status": STATUS_READY,
-                        "priority": priority,
-                        "precedence": PRECEDENCE_NORMAL,
-                        "service_name": service,
-                        "service_contract_name": contract,
-                        "message_type_name": p.message_type,
-                        "validation": NO_VALIDATION,
-                        "message_body": p.body,
-                        "enqueued_at": now,
-                    }
-                )
+                rows.append(row(ep, p.message_type, p.seq, NO_VALIDATION, p.body))
             answers.append(p.answer(ACK, me))
+        handle = ep["conversation_handle"]
         if following != expected:
             self._update_endpoint(handle, {"receive_sequence": following}, ep)
         return True
@@ -492,27 +448,19 @@ class Taker:
                 for i in indexes[1:]:
                     self.notes[i] = (DROPPED, "an earlier message of its conversation was refused")
                 return None
-        handle, group = uuid.uuid4(), uuid.uuid4()
-        prio = self.defs.priority(first.contract, first.to_service, first.from_service)
-        ep = {
-            "conversation_handle": handle,
-            "conversation_id": first.conversation_id,
-            "is_initiator": not first.from_initiator,
-            "conversation_group_id": group,
-            "queue_id": queue_id,
-            "service_name": first.to_service,
-            "far_service": first.from_service,
-            "far_broker_instance": first.from_broker_instance,
-            "far_handle": None,
-            "contract_name": first.contract,
-            "state": "CO",
-            "priority": prio,
-            "lifetime": first.lifetime,
-            "send_sequence": 0,
-            "receive_sequence": 0,
-            "created_at": self.now,
-        }
-        self.new_groups.append({"conversation_group_id": group, "queue_id": queue_id})
+        ep, group = target_endpoint(
+            first.conversation_id,
+            first.from_initiator,
+            first.to_service,
+            first.from_service,
+            first.from_broker_instance,
+            first.contract,
+            queue_id,
+            self.defs.priority(first.contract, first.to_service, first.from_service),
+            first.lifetime,
+            self.now,
+        )
+        self.new_groups.append(group)
         self.new_endpoints.append(ep)
         ep["_new"] = True
         return ep
@@ -532,3 +480,74 @@ def apply_answers(
     Taker(broker, conn, me, [], {}).run(answers, list(range(len(answers))))
     acks = sum(1 for a in answers if a.kind == ACK)
     return acks, sum(1 for a in answers if a.kind == NOTICE)
+
+
+def lock_endpoints(
+    conn: Connection, keys: Sequence[tuple[uuid.UUID, bool]]
+) -> dict[tuple[uuid.UUID, bool], dict[str, Any]]:
+    """The endpoints here of ``(conversation id, is_initiator)`` keys, by key, locked in handle
+    order (ORDER BY under FOR UPDATE) whatever the order of the keys: every writer that takes
+    a batch of arriving conversations locks them so."""
+    e = s.conversation_endpoint
+    stmt = select(e).order_by(e.c.conversation_handle)
+    if conn.dialect.name == "postgresql":  # one array per key: the same statement every batch
+        k = bulk.keys_table("k", {"cid": Uuid(), "ini": Boolean()}, keys)
+        on = (e.c.conversation_id == k.c.cid) & (e.c.is_initiator == k.c.ini)
+        stmt = stmt.join(k, on).with_for_update(of=e)
+    else:
+        stmt = stmt.where(tuple_(e.c.conversation_id, e.c.is_initiator).in_(list(keys)))
+    return {(r.conversation_id, r.is_initiator): dict(r._mapping) for r in conn.execute(stmt)}
+
+
+def held_messages(
+    conn: Connection, handles: Sequence[uuid.UUID]
+) -> dict[uuid.UUID, dict[int, str]]:
+    """Messages of these endpoints that arrived out of order and wait for the gap before them
+    to fill: handle -> sequence number -> message type."""
+    if not handles:
+        return {}
+    m = s.message
+    held: dict[uuid.UUID, dict[int, str]] = defaultdict(dict)
+    for r in conn.execute(
+        select(m.c.conversation_handle, m.c.message_sequence_number, m.c.message_type_name)
+        .where(bulk.any_of(m.c.conversation_handle, handles, conn.dialect.name))
+        .where(m.c.status == STATUS_NOT_COMPLETE)
+    ):
+        held[r.conversation_handle][r.message_sequence_number] = r.message_type_name
+    return held
+
+
+def target_endpoint(
+    conversation_id: uuid.UUID,
+    from_initiator: bool,
+    service: str,
+    far_service: str,
+    far_instance: str,
+    contract: str,
+    queue_id: int,
+    priority: int,
+    lifetime: Any,
+    now: Any,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The rows of the endpoint a dialog's first message to arrive here creates, and of its
+    new conversation group."""
+    handle, group = uuid.uuid4(), uuid.uuid4()
+    ep = {
+        "conversation_handle": handle,
+        "conversation_id": conversation_id,
+        "is_initiator": not from_initiator,
+        "conversation_group_id": group,
+        "queue_id": queue_id,
+        "service_name": service,
+        "far_service": far_service,
+        "far_broker_instance": far_instance,
+        "far_handle": None,
+        "contract_name": contract,
+        "state": "CO",
+        "priority": priority,
+        "lifetime": lifetime,
+        "send_sequence": 0,
+        "receive_sequence": 0,
+        "created_at": now,
+    }
+    return ep, {"conversation_group_id": group, "queue_id": queue_id}
