@@ -26,7 +26,6 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import text
@@ -46,16 +45,10 @@ from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.transport.arrival import Definitions
+from airflow_broker.transport.batch_rows import message_columns
 from airflow_broker.transport.inbound import far_settings
 from airflow_broker.transport.taker import held_messages, lock_endpoints, target_endpoint
 
-#: A transmission row's sequence number, message type and body, by position.
-_message_columns = itemgetter(
-    *(
-        s.transmission_queue.c.keys().index(c)
-        for c in ("message_sequence_number", "message_type_name", "message_body")
-    )
-)
 _NO_VALIDATION = VALIDATION_CODES["none"]
 
 
@@ -173,7 +166,7 @@ class _Accept:
         plain = self.defs.plain
         following = c.rows[0].message_sequence_number
         for r in c.rows:
-            seq, message_type, _body = _message_columns(r)
+            seq, message_type, _body = message_columns(r)
             if seq != following or not plain(c.contract, c.from_initiator, message_type):
                 return False
             following += 1
@@ -246,7 +239,7 @@ class _Accept:
             )
             bodies = [
                 dialogs.open_body(key, c.conversation_id, c.from_initiator, seq, mtype, body)
-                for seq, mtype, body in map(_message_columns, c.rows)
+                for seq, mtype, body in map(message_columns, c.rows)
             ]
         except (dialogs.Wait, SecurityFailure):
             return False, None
@@ -304,7 +297,7 @@ class _Accept:
         opened, for a secure dialog)."""
         now, contract, add = self.now, c.contract, self.messages.append
         for i, r in enumerate(c.rows):
-            seq, message_type, body = _message_columns(r)
+            seq, message_type, body = message_columns(r)
             if bodies is not None:
                 body = bodies[i]
             if seq >= start:

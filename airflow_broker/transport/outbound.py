@@ -25,6 +25,7 @@ from airflow_broker.storage.context import BrokerContext
 from airflow_broker.storage.identity import copy_refusal
 from airflow_broker.transport import direct, inbox, pipeline, route_requests
 from airflow_broker.transport.arrival import fail_endpoint
+from airflow_broker.transport.batch_rows import BATCH_COLUMNS
 from airflow_broker.transport.direct import Conversation
 from airflow_broker.transport.forwarding import (
     _key,
@@ -209,18 +210,25 @@ class Transport:
         conversation may still go on after them, the next batch starts after it (the batch is
         not open-ended: no later batch of the pass shares a conversation with it)."""
         b = self.b
-        t, e = s.transmission_queue, s.conversation_endpoint
+        t, e, k = s.transmission_queue, s.conversation_endpoint, s.dialog_key
         now = utcnow()
         stmt = (
             select(
-                t,  # first, all of it: _packet_columns reads the table's columns by position
-                e.c.state,
+                # first, in this order: batch_rows reads them by position
+                *(t.c[c] for c in BATCH_COLUMNS),
                 e.c.far_broker_instance.label("bound_instance"),
-                e.c.service_name.label("ep_service"),
                 e.c.encryption,
                 e.c.send_sequence,
+                # dialog security, for the plan (dialogs.for_sending_many): the dialog's key,
+                # and whether its far service has a remote service binding here
+                k.c.session_key,
+                k.c.handshake,
+                t.c.to_service_name.in_(select(s.remote_service_binding.c.service)).label(
+                    "bound_service"
+                ),
             )
             .join(e, e.c.conversation_handle == t.c.conversation_handle)
+            .outerjoin(k, k.c.conversation_handle == t.c.conversation_handle)
             .order_by(t.c.conversation_handle, t.c.message_sequence_number)
         )
         if not retry_now:
