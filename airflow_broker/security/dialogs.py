@@ -378,25 +378,30 @@ def for_sending_many(
     now: datetime,
     *,
     commit_with: Engine | None = None,
-    keys: dict[uuid.UUID, tuple[bytes, bytes | None]] | None = None,
+    keyed: set[uuid.UUID] | None = None,
     bound: set[str] | None = None,
 ) -> dict[uuid.UUID, Sealing | Wait | SecurityFailure | None]:
     """:func:`for_sending` for many endpoints at once (a delivery pass's batch): one query for
     the keys they have, one for the bindings; an endpoint's :class:`Wait` or
-    :class:`SecurityFailure` is its value instead of raised. ``keys`` (sealed session key and
-    key exchange by handle) and ``bound`` (the far services with a remote service binding),
-    when the caller read them in its own query of this transaction, save those two."""
+    :class:`SecurityFailure` is its value instead of raised. ``keyed`` (the handles that have
+    a key) and ``bound`` (the far services with a remote service binding), when the caller read
+    them in its own query of this transaction, narrow the first query to those handles (none:
+    no query) and save the second."""
     handles = [ep.conversation_handle for ep in eps]
-    if keys is None:
-        k = s.dialog_key
-        keys = {
-            r.conversation_handle: (r.session_key, r.handshake)
+    k = s.dialog_key
+    asked = handles if keyed is None else [h for h in handles if h in keyed]
+    keys = (
+        {
+            r.conversation_handle: r
             for r in conn.execute(
                 select(k.c.conversation_handle, k.c.session_key, k.c.handshake).where(
-                    bulk.any_of(k.c.conversation_handle, handles, conn.dialect.name)
+                    bulk.any_of(k.c.conversation_handle, asked, conn.dialect.name)
                 )
             )
         }
+        if asked
+        else {}
+    )
     if bound is None:
         bound = (
             {b.service for b in certificates.bindings(conn)} if len(keys) < len(handles) else set()
@@ -407,7 +412,7 @@ def for_sending_many(
         try:
             found = keys.get(h)
             if found is not None:
-                out[h] = Sealing(_unwrap(h, found[0]), found[1])
+                out[h] = Sealing(_unwrap(h, found.session_key), found.handshake)
             elif not ep.is_initiator or (ep.far_service not in bound and not ep.encryption):
                 out[h] = None
             else:

@@ -219,10 +219,9 @@ class Transport:
                 e.c.far_broker_instance.label("bound_instance"),
                 e.c.encryption,
                 e.c.send_sequence,
-                # dialog security, for the plan (dialogs.for_sending_many): the dialog's key,
-                # and whether its far service has a remote service binding here
-                k.c.session_key,
-                k.c.handshake,
+                # dialog security, for the plan (dialogs.for_sending_many): whether the dialog
+                # has a key, and whether its far service has a remote service binding here
+                k.c.conversation_handle.is_not(None).label("keyed"),
                 t.c.to_service_name.in_(select(s.remote_service_binding.c.service)).label(
                     "bound_service"
                 ),

@@ -117,11 +117,7 @@ def plan_batch(
         # with the plan, which commits before anything is sent (below).
         commit_with=b.engine if b.dialect == "postgresql" else None,
         # read with the batch's rows (Transport._take)
-        keys={
-            r.conversation_handle: (r.session_key, r.handshake)
-            for r in firsts
-            if r.session_key is not None
-        },
+        keyed={r.conversation_handle for r in firsts if r.keyed},
         bound={r.to_service_name for r in firsts if r.bound_service},
     )
     direct_ok = b.dialect == "postgresql"
