@@ -169,6 +169,22 @@ def test_encryption_off_is_still_sealed_when_security_is_configured(pair: Pair) 
     assert len(drain(west, TARGET_QUEUE)) == 1
 
 
+def test_encryption_off_queued_before_security_is_configured_leaves_sealed(pair: Pair) -> None:
+    """The delivery pass, not only SEND, sees the far service's new binding: the dialog agrees a
+    key there and its waiting messages are sealed before they leave."""
+    east, west = pair
+    h = send(east, 2, encryption=False)
+    assert all(MARKER in body for body in tq_bodies(east))
+    secure(east, west)
+    assert east.deliver().delivered == 2
+    assert [m.json()["k"] for m in drain(west, TARGET_QUEUE)] == [0, 1]
+    with east.engine.connect() as conn:
+        keys = conn.execute(select(s.dialog_key.c.conversation_handle)).scalars().all()
+    assert keys == [h]
+    with west.engine.connect() as conn:
+        assert len(conn.execute(select(s.dialog_key)).all()) == 1  # the target agreed it too
+
+
 def test_a_flipped_byte_on_the_way_gives_the_sender_an_error(pair: Pair) -> None:
     east, west = pair
     secure(east, west)

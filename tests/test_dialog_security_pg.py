@@ -98,6 +98,24 @@ def test_a_forwarder_holds_only_ciphertext_and_the_dialog_works_both_ways(chain:
     assert chain.east.transmission_queue() == []
 
 
+def test_a_dialog_queued_in_clear_before_its_binding_reaches_the_forwarder_sealed(
+    chain: Chain,
+) -> None:
+    """A delivery batch reads, with its rows, whether each far service has a binding now: the
+    messages queued in clear leave sealed once it does."""
+    chain.east.drop_remote_service_binding("to_target")
+    send(chain.east, 2, encryption=False)
+    chain.east.create_remote_service_binding(
+        "to_target", service=TARGET, certificate="target_public"
+    )
+    chain.east.deliver()
+    held = transit_bodies(chain.gw)
+    assert len(held) == 2 and not any(MARKER in b for b in held)
+    chain.gw_resolver["west"] = chain.urls["west"]
+    chain.gw.deliver(retry_now=True)
+    assert [m.json()["k"] for m in drain(chain.west, TARGET_QUEUE)] == [0, 1]
+
+
 def test_a_byte_flipped_in_the_forwarder_gives_the_sender_an_error(chain: Chain) -> None:
     send(chain.east, 1)
     chain.east.deliver()
