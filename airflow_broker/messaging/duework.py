@@ -33,6 +33,7 @@ from airflow_broker.messaging.objects import (
     error_body,
 )
 from airflow_broker.messaging.rows import drop_waiting, to_endpoint
+from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 
@@ -294,11 +295,28 @@ class DueWork:
         self.conn.execute(delete(m).where(m.c.conversation_handle.in_(handles)))
         result = self.conn.execute(delete(e).where(e.c.conversation_handle.in_(handles)))
         g = s.conversation_group
-        self.conn.execute(
-            delete(g).where(
-                ~exists().where(e.c.conversation_group_id == g.c.conversation_group_id),
+        empty = ~exists().where(e.c.conversation_group_id == g.c.conversation_group_id)
+        if self.b.dialect == "postgresql":
+            # A group goes only under its own lock, and only if still empty under it: a
+            # transaction putting a new endpoint into an existing group holds it FOR KEY SHARE
+            # until it commits (skipped: a later pass sees it again), and one that committed
+            # since this statement's snapshot is seen by the DELETE's, taken after the lock. No
+            # foreign key guards the endpoints' groups on PostgreSQL (migration 0021).
+            ids = (
+                self.conn.execute(
+                    select(g.c.conversation_group_id).where(empty).with_for_update(skip_locked=True)
+                )
+                .scalars()
+                .all()
             )
-        )
+            if ids:
+                self.conn.execute(
+                    delete(g).where(
+                        bulk.any_of(g.c.conversation_group_id, ids, "postgresql"), empty
+                    )
+                )
+        else:
+            self.conn.execute(delete(g).where(empty))
         return result.rowcount or 0
 
 

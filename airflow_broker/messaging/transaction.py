@@ -156,16 +156,15 @@ class Transaction(Receiving, Ending):
                 raise InvalidDefinition(
                     f"related conversation {rel} is on another queue than service {from_service!r}"
                 )
-            group, new_group = row.conversation_group_id, False
+            group = row.conversation_group_id
+            # Its group is ours to join unless it was removed meanwhile (the related
+            # conversation closed and purged): then this dialog starts it again.
+            new_group = self._join_group(group) is None
         elif related_conversation_group is not None:
             group = as_uuid(related_conversation_group, "related_conversation_group")
-            row = self._execute(
-                select(s.conversation_group.c.queue_id).where(
-                    s.conversation_group.c.conversation_group_id == group
-                )
-            ).first()
-            if row is not None:
-                if row.queue_id != svc.queue_id:
+            queue_id = self._join_group(group)
+            if queue_id is not None:
+                if queue_id != svc.queue_id:
                     raise InvalidDefinition(
                         f"conversation group {group} is on another queue than service "
                         f"{from_service!r}"
@@ -460,6 +459,19 @@ class Transaction(Receiving, Ending):
         self._execute(update(e).where(e.c.conversation_handle == h).values(timer_due_at=due))
         self.broker.note_due(due)
 
+    def _join_group(self, group: uuid.UUID) -> int | None:
+        """The queue of an existing conversation group a new endpoint goes into, or None if
+        there is no such group. PostgreSQL: locked ``FOR KEY SHARE`` until the transaction ends
+        (what a foreign key's check would lock), so that the group is not removed as empty
+        before the endpoint commits (see :meth:`DueWork._purge`); readers and their ``FOR NO
+        KEY UPDATE`` are not kept waiting."""
+        g = s.conversation_group
+        stmt = select(g.c.queue_id).where(g.c.conversation_group_id == group)
+        if self.broker.dialect == "postgresql":
+            stmt = stmt.with_for_update(read=True, key_share=True)
+        row = self._execute(stmt).first()
+        return None if row is None else int(row.queue_id)
+
     def move_conversation(self, handle: Handle, to_conversation_group: Handle) -> None:
         """MOVE CONVERSATION into another conversation group on the same queue."""
         h = as_uuid(handle, "conversation handle")
@@ -475,6 +487,9 @@ class Transaction(Receiving, Ending):
         if self.broker.dialect == "postgresql":
             # Both groups first (rule 0 of the lock order), then the endpoint.
             self._lock_groups_of(h, g)
+            # Read again under the lock: an empty group may have been removed meanwhile.
+            if self._join_group(g) is None:
+                raise UnknownObject(f"conversation group {g} does not exist in this broker")
         row = self._endpoint_row(h)
         if target.queue_id != row.queue_id:
             raise InvalidDefinition(

@@ -7,13 +7,18 @@ from alembic import context
 from airflow_broker.storage import client_schema
 from airflow_broker.storage.migrations import VERSION_TABLE
 from airflow_broker.storage.schema import metadata
+from airflow_broker.storage.schema.core import exists_on
 
 
-def _include_object(obj, name, type_, reflected, compare_to):
-    # The broker shares its database with Airflow: never look at tables that are not ours.
-    if type_ == "table":
-        return name.startswith("broker_")
-    return True
+def _include_object(dialect):
+    def include(obj, name, type_, reflected, compare_to):
+        # The broker shares its database with Airflow: never look at tables that are not ours.
+        if type_ == "table":
+            return name.startswith("broker_")
+        # A constraint of the metadata made on another engine only (ddl_if).
+        return reflected or exists_on(obj, dialect)
+
+    return include
 
 
 def run_migrations_online() -> None:
@@ -22,7 +27,7 @@ def run_migrations_online() -> None:
         connection=connection,
         target_metadata=metadata,
         version_table=VERSION_TABLE,
-        include_object=_include_object,
+        include_object=_include_object(connection.dialect.name),
         render_as_batch=connection.dialect.name == "sqlite",
         transaction_per_migration=False,
     )
