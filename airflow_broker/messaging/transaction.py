@@ -463,7 +463,7 @@ class Transaction(Receiving, Ending):
         """The queue of an existing conversation group a new endpoint goes into, or None if
         there is no such group. PostgreSQL: locked ``FOR KEY SHARE`` until the transaction ends
         (what a foreign key's check would lock), so that the group is not removed as empty
-        before the endpoint commits (see :meth:`DueWork._purge`); readers and their ``FOR NO
+        before the endpoint commits (see :meth:`DueWork.purge_closed`); readers and their ``FOR NO
         KEY UPDATE`` are not kept waiting."""
         g = s.conversation_group
         stmt = select(g.c.queue_id).where(g.c.conversation_group_id == group)

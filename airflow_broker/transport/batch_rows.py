@@ -2,8 +2,8 @@
 getters of them by position.
 
 Only what delivery uses: a batch's rows are loaded by the thousand, and each column costs its
-loading (three timestamps and the broker instance columns, which delivery never reads, were a
-third of the batch's loading time; measured in issue 16's fourteenth session). A row's
+loading (three timestamps, the broker instance columns and the status, which delivery never
+reads, were about two fifths of it; measured in issue 16's fourteenth session). A row's
 conversation columns repeat on each of its rows; the getters read them by position, a tenth of
 a look-up by name.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from operator import itemgetter
 
 #: The transmission-queue columns of a batch's rows, first and in this order; the endpoint's
-#: and the dialog key's columns follow them (read by name, once a conversation).
+#: columns and the dialog security flags follow them (read by name, once a conversation).
 BATCH_COLUMNS = (
     "id",
     "conversation_handle",

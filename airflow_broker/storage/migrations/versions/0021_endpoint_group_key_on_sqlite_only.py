@@ -8,8 +8,8 @@ The key from ``broker_conversation_endpoint.conversation_group_id`` to its conve
 ran, for every endpoint row written, a query that found and locked the group row (``FOR KEY
 SHARE``). A delivery batch of 50 new dialogs wrote its endpoints in 2 ms, 70% of it those checks,
 on the far broker's side, the pass's longest stage: without the key a delivery pass of 10,000
-messages in 1,000 new dialogs took 0.329 s against 0.409 s (medians of 8 alternating rounds,
-issue 16's fourteenth session).
+messages in 1,000 new dialogs took 0.329-0.362 s against 0.373-0.409 s with it (medians of 8 to
+14 alternating rounds, three runs, issue 16's fourteenth session).
 
 The engine keeps the invariant itself, as it always has for the queue's messages (which have no
 key to their endpoints): a new endpoint's group is created in the same transaction, or (BEGIN
