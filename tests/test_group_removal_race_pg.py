@@ -16,10 +16,10 @@ from datetime import timedelta
 
 import pytest
 from helpers import BUYER, BUYER_QUEUE, CONTRACT, SUPPLIER, begin, declare_pair, open_order
-from races import race
+from races import Step, race
 from sqlalchemy import select, text
 
-from airflow_broker import Broker, Transaction
+from airflow_broker import Broker
 from airflow_broker.errors import UnknownObject
 from airflow_broker.messaging.duework import DueWork
 from airflow_broker.storage import schema as s
@@ -34,10 +34,10 @@ def pair(pg_broker: Broker) -> Broker:
     return pg_broker
 
 
-def _empty_group(broker: Broker) -> tuple[uuid.UUID, uuid.UUID]:
-    """A conversation group on the buyer's queue that its only conversation moved out of, and
-    that conversation's handle. Also one closed dialog past its retention, so that the purge
-    has endpoints to remove and then looks for empty groups."""
+def _empty_group(broker: Broker) -> uuid.UUID:
+    """A conversation group on the buyer's queue that its only conversation moved out of; and
+    one closed dialog past its retention, so that the purge has endpoints to remove and then
+    looks for empty groups."""
     h, target = open_order(broker)
     with broker.transaction() as tx:
         tx.end_conversation(target)
@@ -53,10 +53,10 @@ def _empty_group(broker: Broker) -> tuple[uuid.UUID, uuid.UUID]:
     with broker.transaction() as tx:
         group = tx.conversation(moved).conversation_group_id
         tx.move_conversation(moved, tx.conversation(stays).conversation_group_id)
-    return group, moved
+    return group
 
 
-def _purge(broker: Broker) -> object:
+def _purge(broker: Broker) -> Step:
     return lambda tx: DueWork(broker, tx.connection).purge_closed(utcnow(), timedelta(0))
 
 
@@ -69,11 +69,12 @@ def _group_exists(broker: Broker, group: uuid.UUID) -> bool:
         return found.first() is not None
 
 
-def _begin_in(group: uuid.UUID) -> object:
-    def step(tx: Transaction) -> uuid.UUID:
-        return tx.begin_dialog(BUYER, SUPPLIER, CONTRACT, related_conversation_group=group)
+def _begin_in(group: uuid.UUID) -> Step:
+    return lambda tx: tx.begin_dialog(BUYER, SUPPLIER, CONTRACT, related_conversation_group=group)
 
-    return step
+
+def _move(handle: uuid.UUID, group: uuid.UUID) -> Step:
+    return lambda tx: tx.move_conversation(handle, group)
 
 
 def _no_endpoint_without_group(broker: Broker) -> None:
@@ -81,8 +82,8 @@ def _no_endpoint_without_group(broker: Broker) -> None:
 
 
 def test_the_purge_keeps_a_group_a_new_dialog_is_joining(pair: Broker) -> None:
-    group, _ = _empty_group(pair)
-    handle, purged = race(pair, _begin_in(group), _purge(pair))  # type: ignore[arg-type]
+    group = _empty_group(pair)
+    handle, purged = race(pair, _begin_in(group), _purge(pair))
     assert isinstance(handle, uuid.UUID), handle
     assert purged == 2  # the closed dialog's two endpoints; the group was skipped, held
     assert _group_exists(pair, group)
@@ -94,8 +95,8 @@ def test_the_purge_keeps_a_group_a_new_dialog_is_joining(pair: Broker) -> None:
 
 
 def test_a_dialog_joining_a_group_the_purge_removes_starts_it_again(pair: Broker) -> None:
-    group, _ = _empty_group(pair)
-    purged, handle = race(pair, _purge(pair), _begin_in(group))  # type: ignore[arg-type]
+    group = _empty_group(pair)
+    purged, handle = race(pair, _purge(pair), _begin_in(group))
     assert purged == 2
     assert isinstance(handle, uuid.UUID), handle
     assert _group_exists(pair, group)
@@ -105,13 +106,9 @@ def test_a_dialog_joining_a_group_the_purge_removes_starts_it_again(pair: Broker
 
 
 def test_a_move_into_a_group_the_purge_removes_fails_and_names_it(pair: Broker) -> None:
-    group, _ = _empty_group(pair)
+    group = _empty_group(pair)
     mover = begin(pair)
-
-    def move(tx: Transaction) -> None:
-        tx.move_conversation(mover, group)
-
-    purged, moved = race(pair, _purge(pair), move)  # type: ignore[arg-type]
+    purged, moved = race(pair, _purge(pair), _move(mover, group))
     assert purged == 2
     assert isinstance(moved, UnknownObject) and str(group) in str(moved)
     assert not _group_exists(pair, group)
@@ -119,13 +116,9 @@ def test_a_move_into_a_group_the_purge_removes_fails_and_names_it(pair: Broker) 
 
 
 def test_a_move_into_a_group_holds_it_against_the_purge(pair: Broker) -> None:
-    group, _ = _empty_group(pair)
+    group = _empty_group(pair)
     mover = begin(pair)
-
-    def move(tx: Transaction) -> None:
-        tx.move_conversation(mover, group)
-
-    moved, purged = race(pair, move, _purge(pair))  # type: ignore[arg-type]
+    moved, purged = race(pair, _move(mover, group), _purge(pair))
     assert moved is None and purged == 2
     assert _group_exists(pair, group)
     with pair.transaction() as tx:
