@@ -18,8 +18,7 @@ from sqlalchemy.engine import Connection
 
 from airflow_broker import Broker
 from airflow_broker.storage.migrations import VERSION_TABLE, alembic_config
-from airflow_broker.storage.schema import metadata
-from airflow_broker.storage.schema.core import exists_on
+from airflow_broker.storage.schema import exists_on, metadata
 
 
 def fresh_urls(broker_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> list[str]:

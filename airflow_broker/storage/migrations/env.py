@@ -6,8 +6,7 @@ from alembic import context
 
 from airflow_broker.storage import client_schema
 from airflow_broker.storage.migrations import VERSION_TABLE
-from airflow_broker.storage.schema import metadata
-from airflow_broker.storage.schema.core import exists_on
+from airflow_broker.storage.schema import exists_on, metadata
 
 
 def _include_object(dialect):

@@ -3,6 +3,8 @@ its core tables (:mod:`.core`), failure handling's (:mod:`.failure`) and securit
 (:mod:`.security`). ``from airflow_broker.storage import schema as s; s.message`` reaches any.
 """
 
+from typing import Any
+
 from airflow_broker.storage.schema.core import *  # noqa: F403
 from airflow_broker.storage.schema.core import (
     NAME,
@@ -21,6 +23,16 @@ from airflow_broker.storage.schema.security import (
     remote_service_binding,
 )
 
+
+def exists_on(obj: Any, dialect: str) -> bool:
+    """Whether a constraint or index of the metadata is created on ``dialect`` (its
+    ``ddl_if``): Alembic's comparisons, which do not read ``ddl_if``, skip the others."""
+    only = getattr(obj, "_ddl_if", None)
+    if only is None or only.dialect is None:
+        return True
+    return dialect == only.dialect if isinstance(only.dialect, str) else dialect in only.dialect
+
+
 __all__ = [
     "NAME",
     "NAMING_CONVENTION",
@@ -29,6 +41,7 @@ __all__ = [
     "certificate",
     "dedupe",
     "dialog_key",
+    "exists_on",
     "inbox",
     "inbox_answer",
     "lease",

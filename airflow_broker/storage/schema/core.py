@@ -51,17 +51,6 @@ NAMING_CONVENTION = {
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 NAME = String(256)
-
-
-def exists_on(obj: Any, dialect: str) -> bool:
-    """Whether a constraint or index of the metadata is created on ``dialect`` (its
-    ``ddl_if``): Alembic's comparisons, which do not read ``ddl_if``, skip the others."""
-    only = getattr(obj, "_ddl_if", None)
-    if only is None or only.dialect is None:
-        return True
-    return dialect == only.dialect if isinstance(only.dialect, str) else dialect in only.dialect
-
-
 # SQLite only auto-increments an INTEGER PRIMARY KEY (the rowid alias), never a BIGINT one.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 Timestamp = DateTime(timezone=True)
@@ -239,12 +228,7 @@ conversation_endpoint = Table(
         postgresql_where=text("lifetime IS NOT NULL AND state NOT IN ('ER', 'CD')"),
         sqlite_where=text("lifetime IS NOT NULL AND state NOT IN ('ER', 'CD')"),
     ),
-    # The endpoint's conversation group, checked by a foreign key on SQLite only. On PostgreSQL
-    # the check ran once per endpoint row written (a query and a row lock on the group): 70% of
-    # writing a delivery batch's new endpoints. The engine keeps the invariant there instead
-    # (migration 0021): a new endpoint's group is created with it, or locked FOR KEY SHARE as the
-    # key's check locked it; a group is removed only once empty, under its own lock; and
-    # Broker.check() finds (and repairs) an endpoint without its group.
+    # SQLite only: on PostgreSQL the engine locks the group instead (see migration 0021).
     ForeignKeyConstraint(
         ["conversation_group_id"],
         ["broker_conversation_group.conversation_group_id"],
