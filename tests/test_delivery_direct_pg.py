@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 from helpers import CONTRACT, NOTE, ORDER
-from sqlalchemy import select, text, update
-from test_dialog_security import MARKER, SECRET, drain, secure, send, tq_bodies
+from sqlalchemy import select, text
+from test_dialog_security import MARKER, SECRET, drain, flip_a_byte, secure, send, tq_bodies
 from transport_procs import (
     INIT_QUEUE,
     INITIATOR,
@@ -162,14 +162,7 @@ def test_a_secure_body_altered_on_the_way_goes_as_packets_and_the_sender_gets_an
 ) -> None:
     east, west = secure_pair(net)
     send(east, 2)
-    t = s.transmission_queue
-    with east.engine.begin() as conn:
-        row = conn.execute(
-            select(t.c.id, t.c.message_body).order_by(t.c.message_sequence_number).limit(1)
-        ).one()
-        body = bytearray(row.message_body)
-        body[len(body) // 2] ^= 0x01
-        conn.execute(update(t).where(t.c.id == row.id).values(message_body=bytes(body)))
+    flip_a_byte(east)
     watched = Watched(east)
     watched.deliver()
     assert watched.direct == set() and len(watched.packets) == 1

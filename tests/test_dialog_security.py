@@ -91,6 +91,18 @@ def send(east: Broker, n: int = 3, **begin: object) -> uuid.UUID:
     return h
 
 
+def flip_a_byte(b: Broker) -> None:
+    """Alter one byte in the middle of the first sealed body waiting to leave ``b``."""
+    t = s.transmission_queue
+    with b.engine.begin() as conn:
+        row = conn.execute(
+            select(t.c.id, t.c.message_body).order_by(t.c.message_sequence_number).limit(1)
+        ).one()
+        body = bytearray(row.message_body)
+        body[len(body) // 2] ^= 0x01
+        conn.execute(update(t).where(t.c.id == row.id).values(message_body=bytes(body)))
+
+
 def drain(b: Broker, queue: str) -> list:  # type: ignore[type-arg]
     out = []
     while True:
@@ -189,14 +201,7 @@ def test_a_flipped_byte_on_the_way_gives_the_sender_an_error(pair: Pair) -> None
     east, west = pair
     secure(east, west)
     send(east, 2)
-    t = s.transmission_queue
-    with east.engine.begin() as conn:
-        row = conn.execute(
-            select(t.c.id, t.c.message_body).order_by(t.c.message_sequence_number).limit(1)
-        ).one()
-        body = bytearray(row.message_body)
-        body[len(body) // 2] ^= 0x01
-        conn.execute(update(t).where(t.c.id == row.id).values(message_body=bytes(body)))
+    flip_a_byte(east)
     east.deliver()
     assert drain(west, TARGET_QUEUE) == [] or all(
         m.message_type_name == ERROR for m in drain(west, TARGET_QUEUE)
