@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from pyspark.sql import SparkSession
+from sqlalchemy import text
 from transport_procs import (
     TARGET,
     TARGET_QUEUE,
@@ -267,6 +268,62 @@ def test_postgresql_groups_the_conversations_as_the_spark_transform_does(
     got = sorted(tuple(r) for r in by_sql.collect())
     assert len(got) == 61 and got == expected
     assert sum(r.messages for r in by_sql.collect()) == sum(1 + i % 9 for i in range(60)) + 22
+
+
+@pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
+def test_messages_read_with_their_own_columns_get_the_rest_from_the_plan(
+    spark: SparkSession, network: Network
+) -> None:
+    """A plan made on grouped conversations gives each message what it shares with its
+    conversation (``read_pending(..., own_columns=True)`` reads only its own columns): joined
+    to the plan, the rows are the full read's, column for column. Both reads leave the same
+    rows to the Python pass: those of a dialog that requires encryption."""
+    net = network("a", "b")
+    two_way(net)
+    a = net["a"]
+    plain = send_dialogs(a, [1 + i % 4 for i in range(20)])
+    plain += send_dialogs(a, [3], lifetime_seconds=3600)
+    secure = send_dialogs(a, [2], encryption=True)
+    with a.engine.connect() as conn:
+        waiting = conn.execute(
+            text("SELECT count(*) FROM broker_transmission_queue WHERE conversation_handle = :h"),
+            {"h": secure[0]},
+        ).scalar_one()
+    assert waiting == 2  # in the transmission queue, for the Python pass
+    with a.engine.connect() as conn:
+        me = a.instance_id_on(conn)
+        routes = job.routes_of(a, conn)
+    planned = transforms.conversation_plan(
+        jdbc.read_conversations(spark, a.engine.url, due_by=None),
+        routes=routes,
+        me=me,
+        now=datetime.now(UTC),
+        hosted=[],
+    )
+    chosen = planned.where(planned.outcome == "remote")
+    columns = [*transforms.PENDING_COLUMNS, *transforms.PLAN_COLUMNS]
+
+    def rows(own_columns: bool) -> list[tuple[Any, ...]]:
+        pending = jdbc.read_pending(
+            spark,
+            a.engine.url,
+            due_by=None,
+            partitions=3,
+            by_conversation=True,
+            own_columns=own_columns,
+        )
+        if own_columns:
+            assert set(pending.columns) == set(transforms.MESSAGE_COLUMNS)
+        # The read itself leaves the secure dialog's rows, not only the join to the plan.
+        read = {r.conversation_handle for r in pending.select("conversation_handle").collect()}
+        assert read == {str(h) for h in plain}, own_columns
+        return sorted(
+            tuple(r) for r in transforms.with_plan(pending, chosen).select(*columns).collect()
+        )
+
+    full, own = rows(False), rows(True)
+    assert own == full
+    assert len(own) == sum(1 + i % 4 for i in range(20)) + 3
 
 
 @pytest.mark.parametrize("new_db", ["sqlite", "postgres"], indirect=True)

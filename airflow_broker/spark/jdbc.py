@@ -158,6 +158,36 @@ def pending_query(dialect: str, due_by: datetime | None, where: str = "") -> str
     """
 
 
+def messages_query(dialect: str, due_by: datetime | None, where: str = "") -> str:
+    """The rows of :func:`pending_query` with only what is each message's own
+    (:data:`transforms.MESSAGE_COLUMNS`): for a job whose plan was made on grouped
+    conversations (:func:`conversations_query`), which carries what the messages share and
+    gives it back to each of them (:func:`transforms.with_plan`).
+
+    The same rows as :func:`pending_query`, chosen by the same conditions; the endpoint's are a
+    hashed semi-join evaluated once, not a join and an anti-join for every message. With four
+    fewer text columns, a quarter of 10^6 messages took 0.40-0.58 s in the server against
+    0.60-0.82 s."""
+    as_text, epoch = _text_and_epoch(dialect)
+    return f"""
+        SELECT t.id,
+               {as_text.format("t.conversation_handle")} AS conversation_handle,
+               t.is_initiator,
+               t.message_type_name,
+               t.message_sequence_number,
+               t.validation,
+               t.message_body,
+               {epoch.format("t.lifetime")} AS lifetime_epoch,
+               0 AS hops
+        FROM broker_transmission_queue t
+        WHERE {_ROW_MOVES}{_due(dialect, due_by)}
+          AND t.conversation_handle IN
+              (SELECT e.conversation_handle FROM broker_conversation_endpoint e
+               WHERE {_ENDPOINT_MOVES})
+        {f"AND ({where})" if where else ""}
+    """
+
+
 def conversations_query(dialect: str, due_by: datetime | None) -> str:
     """The rows of :func:`pending_query` as :func:`transforms.conversations` groups them
     (without bodies), grouped by the database: one row per conversation, with its first row id,
@@ -203,21 +233,25 @@ def read_pending(
     bounds: tuple[int, int] | None = None,
     partitions: int,
     by_conversation: bool = False,
+    own_columns: bool = False,
 ) -> DataFrame:
     """The due rows of a broker's transmission queue, read in ``partitions`` parallel JDBC
     queries: ``by_conversation``, each holding whole conversations (ranges of the conversation
-    id); otherwise split on the row id between ``bounds`` (inclusive; None: one query)."""
+    id); otherwise split on the row id between ``bounds`` (inclusive; None: one query).
+    ``own_columns``: only :data:`transforms.MESSAGE_COLUMNS` (:func:`messages_query`), the
+    rest to be taken from a plan made on grouped conversations."""
     jdbc = jdbc_of(url)
+    query = messages_query if own_columns else pending_query
     if by_conversation and partitions > 1:
         # One query a range, each scanning the queue once for its range: Spark's JDBC
         # ``predicates`` would filter the text ids of the query's output instead of the raw
         # column (2.5 times the time of each scan, measured).
         frames = [
-            _reader(spark, jdbc, pending_query(jdbc.dialect, due_by, where)).load()
+            _reader(spark, jdbc, query(jdbc.dialect, due_by, where)).load()
             for where in conversation_ranges(jdbc.dialect, partitions)
         ]
         return functools.reduce(lambda a, b: a.union(b), frames)
-    reader = _reader(spark, jdbc, pending_query(jdbc.dialect, due_by))
+    reader = _reader(spark, jdbc, query(jdbc.dialect, due_by))
     if bounds is not None and partitions > 1 and bounds[1] > bounds[0]:
         reader = (
             reader.option("partitionColumn", "id")
@@ -340,6 +374,7 @@ __all__ = [
     "conversation_ranges",
     "copy_table",
     "jdbc_of",
+    "messages_query",
     "pending_query",
     "read_pending",
     "session",

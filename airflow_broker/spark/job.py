@@ -279,6 +279,9 @@ def run(
     # classifier reads the first bodies (or the source is SQLite): then Spark groups a read
     # without the other bodies.
     # Split by conversation for the tasks that write into queues; by row id for staging only.
+    # Grouped by the source, the conversations' rows carry what their messages share: the
+    # messages are read with only their own columns.
+    grouped = source.dialect == "postgresql" and classifier is None
     pending = jdbc.read_pending(
         spark,
         source.engine.url,
@@ -286,8 +289,9 @@ def run(
         bounds=None if direct else _bounds(source, due_by),
         partitions=parts,
         by_conversation=direct,
+        own_columns=grouped,
     )
-    if source.dialect == "postgresql" and classifier is None:
+    if grouped:
         conv = jdbc.read_conversations(spark, source.engine.url, due_by=due_by)
     else:
         conv = transforms.conversations(pending, with_body=classifier is not None)

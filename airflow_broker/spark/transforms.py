@@ -44,6 +44,23 @@ PENDING_COLUMNS = (
     "hops",
 )
 
+#: What is each message's own of :data:`PENDING_COLUMNS` (``jdbc.read_pending(...,
+#: own_columns=True)``); the rest its conversation's row in the plan gives it
+#: (:data:`SHARED_COLUMNS`, :func:`with_plan`).
+MESSAGE_COLUMNS = (
+    "id",
+    "conversation_handle",
+    "is_initiator",
+    "message_type_name",
+    "message_sequence_number",
+    "validation",
+    "message_body",
+    "lifetime_epoch",
+    "hops",
+)
+#: What every message of a conversation has as its conversation's row has it.
+SHARED_COLUMNS = tuple(c for c in PENDING_COLUMNS if c not in MESSAGE_COLUMNS)
+
 #: Longest service name a classifier may give (the broker's NAME columns).
 MAX_SERVICE_NAME = 256
 
@@ -407,9 +424,17 @@ def with_plan(df: DataFrame, planned: DataFrame) -> DataFrame:
     """Each pending message of ``df`` with its conversation's decision from ``planned`` (a
     :func:`conversation_plan`, or rows of it): canonical ids, the service it goes to (the
     classified one, when classified) and :data:`PLAN_COLUMNS`. Messages whose conversation is
-    not in ``planned`` are left out."""
+    not in ``planned`` are left out. A ``df`` of :data:`MESSAGE_COLUMNS` only gets
+    :data:`SHARED_COLUMNS` from its conversation's row too: the result has
+    :data:`PENDING_COLUMNS` either way."""
     from pyspark.sql import functions as F
 
+    from_plan = {
+        "conversation_handle": "_canonical_handle",
+        "conversation_id": "_canonical_id",
+        "to_service_name": "_to_service",
+    }
+    missing = [c for c in SHARED_COLUMNS if c not in df.columns and c not in from_plan]
     p = planned.select(
         F.col("raw_handle").alias("_handle"),
         F.col("hops").alias("_hops"),
@@ -417,6 +442,7 @@ def with_plan(df: DataFrame, planned: DataFrame) -> DataFrame:
         F.col("conversation_handle").alias("_canonical_handle"),
         F.col("conversation_id").alias("_canonical_id"),
         F.col("to_service_name").alias("_to_service"),
+        *[F.col(c).alias(f"_shared_{c}") for c in missing],
         *PLAN_COLUMNS,
     )
     joined = df.join(
@@ -426,12 +452,9 @@ def with_plan(df: DataFrame, planned: DataFrame) -> DataFrame:
         & df.lifetime_epoch.eqNullSafe(p._lifetime),
         "inner",
     )
-    from_plan = {
-        "conversation_handle": "_canonical_handle",
-        "conversation_id": "_canonical_id",
-        "to_service_name": "_to_service",
-    }
-    return joined.select(*[F.col(from_plan.get(c, c)).alias(c) for c in df.columns], *PLAN_COLUMNS)
+    from_plan.update({c: f"_shared_{c}" for c in missing})
+    columns = [*df.columns, *(c for c in SHARED_COLUMNS if c not in df.columns)]
+    return joined.select(*[F.col(from_plan.get(c, c)).alias(c) for c in columns], *PLAN_COLUMNS)
 
 
 def plan(
@@ -463,8 +486,10 @@ def plan(
 
 __all__ = [
     "CONVERSATION_KEYS",
+    "MESSAGE_COLUMNS",
     "PENDING_COLUMNS",
     "PLAN_COLUMNS",
+    "SHARED_COLUMNS",
     "canonical_uuid",
     "classifier_column",
     "classify",
