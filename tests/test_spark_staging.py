@@ -4,6 +4,7 @@ crash between the staged commit's parallel transactions."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -169,6 +170,24 @@ def test_a_conversation_split_between_tasks_goes_in_once_and_in_order(
     assert_exactly_once_in_order(got, expected, "with conversations split between tasks")
 
 
+#: The types of direct_task.PLAN_COLUMNS, as Spark gives them (none is Arrow's null type).
+PLAN = pa.schema(
+    [
+        ("raw_handle", pa.string()),
+        ("lifetime_key", pa.float64()),
+        ("conversation_id", pa.string()),
+        ("source_handle", pa.string()),
+        ("from_service", pa.string()),
+        ("to_service", pa.string()),
+        ("to_broker_instance", pa.string()),
+        ("contract", pa.string()),
+        ("lifetime_epoch", pa.float64()),
+        ("hops", pa.int32()),
+        ("part", pa.int16()),
+    ]
+)
+
+
 @pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
 def test_a_task_writes_only_what_follows_the_far_receive_sequence(
     spark: SparkSession, network: Network
@@ -182,36 +201,49 @@ def test_a_task_writes_only_what_follows_the_far_receive_sequence(
     first, second = send_dialogs(a, [2, 2])
     job.run(a, spark)
     message_type = drain_all(b, TARGET_QUEUE)[0].message_type_name
-    rows = []
+    rows, plan = [], []
     with a.transaction() as tx:
         for handle, seqs in ((first, (1, 2, 3)), (second, (5, 6))):
             c = tx.conversation(handle)
+            key = {"raw_handle": str(handle), "lifetime_key": float("-inf")}
+            plan.append(
+                {
+                    **key,
+                    "conversation_id": str(c.conversation_id),
+                    "source_handle": str(handle),
+                    "from_service": c.service_name,
+                    "to_service": c.far_service,
+                    "to_broker_instance": None,
+                    "contract": c.contract_name,
+                    "lifetime_epoch": None,
+                    "hops": 0,
+                    "part": 0,
+                }
+            )
             for seq in seqs:
                 rows.append(
                     {
-                        "conversation_id": str(c.conversation_id),
+                        **key,
                         "from_initiator": True,
                         "seq": seq,
                         "message_type": message_type,
                         "validation": "N",
                         "message_body": "\\x" + (b'{"n":%d}' % seq).hex(),
-                        "source_handle": str(handle),
-                        "from_service": c.service_name,
-                        "to_service": c.far_service,
-                        "to_broker_instance": None,
-                        "contract": c.contract_name,
-                        "lifetime_epoch": None,
-                        "hops": 0,
-                        "part": 0,
                     }
                 )
+    # A conversation the plan does not give this task: its messages are not written.
+    rows.append({**rows[0], "raw_handle": str(uuid.uuid4()), "seq": 0})
+    assert [tuple(r) for r in rows[:1]] == [direct_task.INPUT_COLUMNS]
+    assert tuple(plan[0]) == tuple(PLAN.names) == direct_task.PLAN_COLUMNS
     chosen = spark.createDataFrame(
-        [(r["contract"], r["to_service"], r["from_service"]) for r in rows],
+        [(r["contract"], r["to_service"], r["from_service"]) for r in plan],
         "service_contract_name string, to_service_name string, from_service_name string",
     )
     far = direct._far(b, chosen, "r1", net.id("a"))
     batch = pa.RecordBatch.from_pylist(rows)
-    out = pa.Table.from_batches(list(direct_task.write_partition(far, iter([batch])))).to_pylist()
+    out = pa.Table.from_batches(
+        list(direct_task.write_partition(far, pa.Table.from_pylist(plan, PLAN), iter([batch])))
+    ).to_pylist()
     assert out == [
         {"kind": "ack", "source_handle": str(first), "upto": 4, "service": TARGET, "n": 2},
         {"kind": "staged", "source_handle": None, "upto": 0, "service": None, "n": 2},

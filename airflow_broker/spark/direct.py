@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
@@ -88,21 +88,32 @@ def _far(target: BrokerContext, chosen: DataFrame, run_id: str, me: str) -> dire
 
 
 def write_direct(
-    rows: DataFrame, chosen: DataFrame, target: BrokerContext, run_id: str, me: str, parts: int
+    pending: DataFrame,
+    chosen: DataFrame,
+    target: BrokerContext,
+    run_id: str,
+    me: str,
+    parts: int,
 ) -> Written:
-    """Each partition of ``rows`` (planned messages, whole conversations in each) into
-    ``target``'s queues by its own task (:func:`direct_task.write_partition`)."""
+    """Each partition of ``pending`` (messages, whole conversations in each) into ``target``'s
+    queues by its own task (:func:`direct_task.write_partition`): the messages of the
+    conversations ``chosen`` (rows of the plan) for it.
+
+    Spark does not join the messages to their plan: every task is given the chosen
+    conversations (a broadcast Arrow table, one row each) and joins them to its messages
+    itself, so that what a conversation's messages share is not repeated on every one of them
+    through Spark."""
     from pyspark import cloudpickle
     from pyspark.sql import functions as F
 
+    def lifetime_key(column: Any) -> Any:
+        return F.coalesce(column, F.lit(float("-inf")))
+
     far = _far(target, chosen, run_id, me)
-    columns = {
+    plan_columns = {
+        "raw_handle": F.col("raw_handle"),
+        "lifetime_key": lifetime_key(F.col("lifetime_epoch")),
         "conversation_id": F.col("conversation_id"),
-        "from_initiator": F.col("is_initiator"),
-        "seq": F.col("message_sequence_number"),
-        "message_type": F.col("message_type_name"),
-        "validation": F.col("validation"),
-        "message_body": jdbc.bytea_text(F.col("message_body")),
         "source_handle": F.col("conversation_handle"),
         "from_service": F.col("from_service_name"),
         "to_service": F.col("to_service_name"),
@@ -112,12 +123,26 @@ def write_direct(
         "hops": F.col("hops").cast("int"),
         "part": part(parts),
     }
-    direct_rows = rows.select(*[columns[c].alias(c) for c in direct_task.INPUT_COLUMNS])
+    plan = chosen.select(*[plan_columns[c].alias(c) for c in direct_task.PLAN_COLUMNS]).toArrow()
+    message_columns = {
+        "raw_handle": F.col("conversation_handle"),
+        "lifetime_key": lifetime_key(F.col("lifetime_epoch")),
+        "from_initiator": F.col("is_initiator"),
+        "seq": F.col("message_sequence_number"),
+        "message_type": F.col("message_type_name"),
+        "validation": F.col("validation"),
+        "message_body": jdbc.bytea_text(F.col("message_body")),
+    }
+    messages = pending.select(*[message_columns[c].alias(c) for c in direct_task.INPUT_COLUMNS])
+    shared = pending.sparkSession.sparkContext.broadcast(plan)
     # Shipped by value: the executors need psycopg and pyarrow, not airflow_broker.
     cloudpickle.register_pickle_by_value(direct_task)
-    results = direct_rows.mapInArrow(
-        functools.partial(direct_task.write_partition, far), direct_task.RESULT_SCHEMA
-    ).collect()
+    try:
+        results = messages.mapInArrow(
+            functools.partial(direct_task.write_shared, far, shared), direct_task.RESULT_SCHEMA
+        ).collect()
+    finally:
+        shared.destroy()
     written = Written([], 0, 0)
     for r in results:
         if r.kind == "ack":

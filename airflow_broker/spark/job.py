@@ -404,14 +404,14 @@ def _deliver(
 
     commit.prepare(target, me, run_id)
     parts = 1 if target.dialect == "sqlite" else commit_parallelism
-    rows = transforms.with_plan(pending, chosen)
     written: Written | None = None
     if direct and target.dialect == "postgresql":
         # Each task stages what it cannot write into queues, conversations and messages.
-        written = write_direct(rows, chosen, target, run_id, me, parts)
+        written = write_direct(pending, chosen, target, run_id, me, parts)
         laps("written")
         staged = written.staged
     else:
+        rows = transforms.with_plan(pending, chosen)
         # Conversations first: prepare() finds a dead run's messages by its conversations.
         _write(
             _staged_conversations(chosen, run_id, me, target.dialect, parts),
