@@ -134,6 +134,15 @@ def _text_and_epoch(dialect: str) -> tuple[str, str]:
     return "{}", "(julianday({}) - 2440587.5) * 86400.0"
 
 
+def _own_columns(epoch: str) -> str:
+    """The last columns of both reads of messages: what differs from message to message (the
+    lifetime and hops too, the keys of a message's conversation in the plan)."""
+    return (
+        "t.message_type_name, t.message_sequence_number, t.validation, t.message_body, "
+        f"{epoch.format('t.lifetime')} AS lifetime_epoch, 0 AS hops"
+    )
+
+
 def pending_query(dialect: str, due_by: datetime | None, where: str = "") -> str:
     """The transmission queue's rows with what routing needs of their endpoint, ids as text
     and the lifetime as epoch seconds (the same shape from both databases); ``where``: a
@@ -148,12 +157,7 @@ def pending_query(dialect: str, due_by: datetime | None, where: str = "") -> str
                e.far_service AS to_service_name,
                e.far_broker_instance AS bound_instance,
                t.service_contract_name,
-               t.message_type_name,
-               t.message_sequence_number,
-               t.validation,
-               t.message_body,
-               {epoch.format("t.lifetime")} AS lifetime_epoch,
-               0 AS hops
+               {_own_columns(epoch)}
         {_pending_from(dialect, due_by, where)}
     """
 
@@ -173,12 +177,7 @@ def messages_query(dialect: str, due_by: datetime | None, where: str = "") -> st
         SELECT t.id,
                {as_text.format("t.conversation_handle")} AS conversation_handle,
                t.is_initiator,
-               t.message_type_name,
-               t.message_sequence_number,
-               t.validation,
-               t.message_body,
-               {epoch.format("t.lifetime")} AS lifetime_epoch,
-               0 AS hops
+               {_own_columns(epoch)}
         FROM broker_transmission_queue t
         WHERE {_ROW_MOVES}{_due(dialect, due_by)}
           AND t.conversation_handle IN
