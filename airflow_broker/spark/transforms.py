@@ -44,22 +44,18 @@ PENDING_COLUMNS = (
     "hops",
 )
 
-#: What is each message's own of :data:`PENDING_COLUMNS` (``jdbc.read_pending(...,
-#: own_columns=True)``); the rest its conversation's row in the plan gives it
-#: (:data:`SHARED_COLUMNS`, :func:`with_plan`).
-MESSAGE_COLUMNS = (
-    "id",
-    "conversation_handle",
-    "is_initiator",
-    "message_type_name",
-    "message_sequence_number",
-    "validation",
-    "message_body",
-    "lifetime_epoch",
-    "hops",
+#: What every message of a conversation has as its conversation's row has it: a plan made on
+#: grouped conversations gives these to the messages (:func:`with_plan`).
+SHARED_COLUMNS = (
+    "conversation_id",
+    "from_service_name",
+    "to_service_name",
+    "bound_instance",
+    "service_contract_name",
 )
-#: What every message of a conversation has as its conversation's row has it.
-SHARED_COLUMNS = tuple(c for c in PENDING_COLUMNS if c not in MESSAGE_COLUMNS)
+#: What is each message's own of :data:`PENDING_COLUMNS` (``jdbc.read_pending(...,
+#: own_columns=True)``).
+MESSAGE_COLUMNS = tuple(c for c in PENDING_COLUMNS if c not in SHARED_COLUMNS)
 
 #: Longest service name a classifier may give (the broker's NAME columns).
 MAX_SERVICE_NAME = 256
