@@ -14,6 +14,7 @@ import pytest
 from pyspark.sql import SparkSession
 from sqlalchemy import text
 from transport_procs import (
+    INITIATOR,
     TARGET,
     TARGET_QUEUE,
     Net,
@@ -201,6 +202,32 @@ def test_the_job_delivers_every_message_once_in_order_and_replies_come_back(
     reply_to_all(b, [m for ms in got.values() for m in ms], {"reply": 1})
     deliver_until_empty(b)
     assert len(drain_all(a, "initiator_q")) == len(handles)
+
+
+@pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
+def test_the_far_broker_priority_of_each_conversation_holds_on_the_direct_write(
+    spark: SparkSession, network: Network
+) -> None:
+    """The far broker's own priorities, looked up once per (contract, its service, the remote
+    service) for the whole write, as its side of the conversation sees them: its service is
+    the local one. A lookup that swapped the two services would match ``wrong_way``."""
+    net = network("a", "b")
+    two_way(net)
+    a, b = net["a"], net["b"]
+    with b.definitions() as d:
+        d.create_priority(
+            "rush", contract="DEFAULT", local_service=TARGET, remote_service=INITIATOR, priority=8
+        )
+        d.create_priority("wrong_way", remote_service=TARGET, priority=2)
+    counts = [3] * 12
+    send_dialogs(a, counts)
+    report = job.run(a, spark)
+    assert report.delivered == sum(counts) and report.general == 0
+    got = drain_all(b, TARGET_QUEUE)
+    assert len(got) == sum(counts)
+    assert {m.priority for m in got} == {8}
+    with b.transaction() as tx:
+        assert {tx.conversation(m.conversation_handle).priority for m in got} == {8}
 
 
 @pytest.mark.parametrize("new_db", ["postgres"], indirect=True)

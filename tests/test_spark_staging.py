@@ -235,14 +235,11 @@ def test_a_task_writes_only_what_follows_the_far_receive_sequence(
     rows.append({**rows[0], "raw_handle": str(uuid.uuid4()), "seq": 0})
     assert [tuple(r) for r in rows[:1]] == [direct_task.INPUT_COLUMNS]
     assert tuple(plan[0]) == tuple(PLAN.names) == direct_task.PLAN_COLUMNS
-    chosen = spark.createDataFrame(
-        [(r["contract"], r["to_service"], r["from_service"]) for r in plan],
-        "service_contract_name string, to_service_name string, from_service_name string",
-    )
-    far = direct._far(b, chosen, "r1", net.id("a"))
+    plan_table = pa.Table.from_pylist(plan, PLAN)
+    far = direct._far(b, plan_table, "r1", net.id("a"))
     batch = pa.RecordBatch.from_pylist(rows)
     out = pa.Table.from_batches(
-        list(direct_task.write_partition(far, pa.Table.from_pylist(plan, PLAN), iter([batch])))
+        list(direct_task.write_partition(far, plan_table, iter([batch])))
     ).to_pylist()
     assert out == [
         {"kind": "ack", "source_handle": str(first), "upto": 4, "service": TARGET, "n": 2},

@@ -26,6 +26,7 @@ from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import DataFrame
 
     from airflow_broker.storage.context import BrokerContext
@@ -42,8 +43,10 @@ class Written:
     staged: int
 
 
-def _far(target: BrokerContext, chosen: DataFrame, run_id: str, me: str) -> direct_task.Far:
-    """What the tasks need to know of ``target``, read once."""
+def _far(target: BrokerContext, plan: pa.Table, run_id: str, me: str) -> direct_task.Far:
+    """What the tasks need to know of ``target``, read once; ``plan`` is the chosen
+    conversations as the tasks are given them (:data:`direct_task.PLAN_COLUMNS`)."""
+    routes = plan.group_by(["contract", "to_service", "from_service"]).aggregate([])
     cm, mt = s.contract_message, s.message_type
     with target.engine.connect() as conn:
         far_me = target.instance_id_on(conn)
@@ -57,10 +60,13 @@ def _far(target: BrokerContext, chosen: DataFrame, run_id: str, me: str) -> dire
             )
         ).all()
         priorities = {
-            (r[0], r[1], r[2]): priority_for(target, conn, r[0], r[1], r[2])
-            for r in chosen.select("service_contract_name", "to_service_name", "from_service_name")
-            .distinct()
-            .collect()
+            (contract, to, frm): priority_for(target, conn, contract, to, frm)
+            for contract, to, frm in zip(
+                routes["contract"].to_pylist(),
+                routes["to_service"].to_pylist(),
+                routes["from_service"].to_pylist(),
+                strict=True,
+            )
         }
     fast_types = frozenset(
         (contract, from_initiator, message_type)
@@ -109,7 +115,6 @@ def write_direct(
     def lifetime_key(column: Any) -> Any:
         return F.coalesce(column, F.lit(float("-inf")))
 
-    far = _far(target, chosen, run_id, me)
     plan_columns = {
         "raw_handle": F.col("raw_handle"),
         "lifetime_key": lifetime_key(F.col("lifetime_epoch")),
@@ -124,6 +129,7 @@ def write_direct(
         "part": part(parts),
     }
     plan = chosen.select(*[plan_columns[c].alias(c) for c in direct_task.PLAN_COLUMNS]).toArrow()
+    far = _far(target, plan, run_id, me)
     message_columns = {
         "raw_handle": F.col("conversation_handle"),
         "lifetime_key": lifetime_key(F.col("lifetime_epoch")),
