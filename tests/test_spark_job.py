@@ -31,6 +31,7 @@ from transport_procs import (
 )
 
 from airflow_broker import END_DIALOG, Broker, routing
+from airflow_broker.constants import STATUS_NOT_COMPLETE
 from airflow_broker.examples import sales
 from airflow_broker.routing import Route
 from airflow_broker.spark import jdbc, job, transforms
@@ -228,6 +229,59 @@ def test_the_far_broker_priority_of_each_conversation_holds_on_the_direct_write(
     assert {m.priority for m in got} == {8}
     with b.transaction() as tx:
         assert {tx.conversation(m.conversation_handle).priority for m in got} == {8}
+
+
+@pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
+def test_tasks_streaming_from_the_source_write_what_follows_the_far_side_and_nothing_else(
+    spark: SparkSession, network: Network
+) -> None:
+    """From PostgreSQL to PostgreSQL each task reads its conversations from the source itself
+    (spark.direct_stream). It copies exactly the sequence numbers it decided on: of a dialog
+    whose far side already has messages 0-2 of 0-4, only 3 and 4 (once, in order); a dialog
+    with a lifetime whole; a dialog that requires encryption not at all (the Python pass's).
+    A dialog whose far side waits for a message the source no longer holds is staged whole,
+    and the staged commit holds it."""
+    net = network("a", "b")
+    two_way(net)
+    a, b = net["a"], net["b"]
+    ahead, gap = send_dialogs(a, [2, 1])
+    assert job.run(a, spark).delivered == 3
+    assert len(drain_all(b, TARGET_QUEUE)) == 3
+    send_more(a, [ahead], 2, 3)  # sequence numbers 2-4 at the source
+    send_more(a, [gap], 1, 2)  # 1-2
+    send_dialogs(a, [4], lifetime_seconds=3600)
+    secure = send_dialogs(a, [2], encryption=True)[0]
+    with b.engine.begin() as conn:
+        # The far side of `ahead` has 2 already (as if the Python pass had brought it); that of
+        # `gap` expects 0 again, which the source no longer holds.
+        for handle, upto in ((ahead, 3), (gap, 0)):
+            with a.transaction() as tx:
+                far_id = tx.conversation(handle).conversation_id
+            conn.execute(
+                text(
+                    "UPDATE broker_conversation_endpoint SET receive_sequence = :n "
+                    "WHERE conversation_id = :c AND NOT is_initiator"
+                ),
+                {"n": upto, "c": far_id},
+            )
+    report = job.run(a, spark)
+    assert report.read == 3 + 2 + 4
+    got = drain_all(b, TARGET_QUEUE)
+    by_far = by_conversation(b, got)
+    assert sorted(len(v) for v in by_far.values()) == [2, 4]
+    assert_exactly_once_in_order(
+        by_far, {c: ([3, 4] if len(v) == 2 else [0, 1, 2, 3]) for c, v in by_far.items()}, "ahead"
+    )
+    # `gap` went to the staged commit, whose receiving code keeps its two messages behind the
+    # missing one; everything but `secure` was acknowledged.
+    assert report.general == 2 and report.delivered == 2 + 4 + 2
+    with b.engine.connect() as conn:
+        behind = conn.execute(
+            text("SELECT count(*) FROM broker_message WHERE status = :s"),
+            {"s": STATUS_NOT_COMPLETE},
+        ).scalar_one()
+    assert behind == 2
+    assert {r.conversation_handle for r in a.transmission_queue()} == {secure}
 
 
 @pytest.mark.parametrize("new_db", ["postgres"], indirect=True)

@@ -141,9 +141,10 @@ def test_tasks_that_wrote_into_queues_and_run_again_write_nothing_twice(
 def test_a_conversation_split_between_tasks_goes_in_once_and_in_order(
     spark: SparkSession, network: Network
 ) -> None:
-    """Rows read split by row id, not by conversation, on dialogs open at the far broker: each
-    of four tasks holds two of every dialog's eight messages, and tasks lock the same endpoints
-    in whatever order they run. Each checks the sequence numbers under the lock, so none puts
+    """Rows read through Spark (not by the tasks themselves, which read whole conversations)
+    and split by row id, not by conversation, on dialogs open at the far broker: each of four
+    tasks holds two of every dialog's eight messages, and tasks lock the same endpoints in
+    whatever order they run. Each checks the sequence numbers under the lock, so none puts
     later messages in before earlier ones, and none twice."""
     net = network("a", "b")
     two_way(net)
@@ -159,6 +160,9 @@ def test_a_conversation_split_between_tasks_goes_in_once_and_in_order(
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(jdbc, "read_pending", by_row_id)
+        # Through Spark's read: the tasks' own reads from the source (spark.direct_stream)
+        # take whole ranges of conversations.
+        m.setattr(jdbc, "stream_source", lambda *args, **kwargs: None)
         for _ in range(8):
             job.run(a, spark, partitions=4)
             if not a.transmission_queue():

@@ -20,7 +20,7 @@ from airflow_broker.constants import (
 )
 from airflow_broker.messaging.lookups import hosted_services, priority_for
 from airflow_broker.messaging.validation import VALIDATION_CODES
-from airflow_broker.spark import commit, direct_task, jdbc
+from airflow_broker.spark import commit, direct_stream, direct_task, jdbc
 from airflow_broker.spark.transforms import part
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
@@ -100,10 +100,14 @@ def write_direct(
     run_id: str,
     me: str,
     parts: int,
+    source: direct_stream.Source | None = None,
 ) -> Written:
     """Each partition of ``pending`` (messages, whole conversations in each) into ``target``'s
     queues by its own task (:func:`direct_task.write_partition`): the messages of the
-    conversations ``chosen`` (rows of the plan) for it.
+    conversations ``chosen`` (rows of the plan) for it. With ``source`` (a PostgreSQL source:
+    :func:`jdbc.stream_source`), ``pending`` is not read: each task reads its range of
+    conversations from the source itself and streams their messages into the far queues
+    (:func:`direct_stream.stream_part`).
 
     Spark does not join the messages to their plan: every task is given the chosen
     conversations (a broadcast Arrow table, one row each) and joins them to its messages
@@ -139,25 +143,41 @@ def write_direct(
         "validation": F.col("validation"),
         "message_body": jdbc.bytea_text(F.col("message_body")),
     }
-    messages = pending.select(*[message_columns[c].alias(c) for c in direct_task.INPUT_COLUMNS])
-    shared = pending.sparkSession.sparkContext.broadcast(plan)
+    sc = pending.sparkSession.sparkContext
+    shared = sc.broadcast(plan)
     # Shipped by value: the executors need psycopg and pyarrow, not airflow_broker.
     cloudpickle.register_pickle_by_value(direct_task)
+    cloudpickle.register_pickle_by_value(direct_stream)
     try:
-        results = messages.mapInArrow(
-            functools.partial(direct_task.write_shared, far, shared), direct_task.RESULT_SCHEMA
-        ).collect()
+        if source is not None:
+            tasks = len(source.ranges)
+            results = (
+                sc.parallelize(range(tasks), tasks)
+                .mapPartitions(functools.partial(direct_stream.stream_shared, far, source, shared))
+                .collect()
+            )
+        else:
+            messages = pending.select(
+                *[message_columns[c].alias(c) for c in direct_task.INPUT_COLUMNS]
+            )
+            results = [
+                r.asDict()
+                for r in messages.mapInArrow(
+                    functools.partial(direct_task.write_shared, far, shared),
+                    direct_task.RESULT_SCHEMA,
+                ).collect()
+            ]
     finally:
         shared.destroy()
     written = Written([], 0, 0)
     for r in results:
-        if r.kind == "ack":
+        if r["kind"] == "ack":
             written.acks.append(
-                commit.Ack(uuid.UUID(r.source_handle), int(r.upto), far.me, r.service)
+                commit.Ack(uuid.UUID(r["source_handle"]), int(r["upto"]), far.me, r["service"])
             )
-            written.inserted += int(r.n)
+            written.inserted += int(r["n"])
         else:
-            written.staged += int(r.n)
+            written.staged += int(r["n"])
     if written.inserted:
         target.note_due(far.now)  # readers waiting on these queues in this process
     return written

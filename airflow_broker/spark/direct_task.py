@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import io
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -162,7 +162,9 @@ class Far:
 
 @dataclass
 class _Conversation:
-    """One conversation and direction of the task's rows (``start``: its first row)."""
+    """One conversation and direction of the task's rows (``start``: its first row; ``keys``:
+    its rows of the plan, (raw handle, lifetime key), where the task reads its messages from
+    the source itself)."""
 
     conversation_id: str
     from_initiator: bool
@@ -178,6 +180,7 @@ class _Conversation:
     lifetime_epoch: float | None
     hops: int
     part: int
+    keys: tuple[tuple[str, float], ...] = ()
 
 
 def _conversations(table: Any) -> list[_Conversation]:
@@ -271,21 +274,11 @@ def write_partition(far: Far, plan: Any, batches: Iterator[Any]) -> Iterator[Any
     general conversations into its staging table), in one transaction; ``plan``: an Arrow
     table of :data:`PLAN_COLUMNS`, the conversations the messages may belong to (a message
     whose conversation is not in it is not written). Yields :data:`RESULT_SCHEMA` rows."""
-    import psycopg
     import pyarrow as pa
 
-    result = pa.schema(
-        [
-            ("kind", pa.string()),
-            ("source_handle", pa.string()),
-            ("upto", pa.int64()),
-            ("service", pa.string()),
-            ("n", pa.int64()),
-        ]
-    )
     chunks = [b for b in batches if b.num_rows]
     if not chunks:
-        yield pa.RecordBatch.from_pylist([], schema=result)
+        yield result_batch([])
         return
     # Joined to the plan and sorted here by Arrow, not by Spark before the task: Spark's join
     # and the columns every message of a conversation repeats took the read 5.3 s instead of
@@ -302,10 +295,53 @@ def write_partition(far: Far, plan: Any, batches: Iterator[Any]) -> Iterator[Any
         )
     )
     if not table.num_rows:
-        yield pa.RecordBatch.from_pylist([], schema=result)
+        yield result_batch([])
         return
+
+    def queue_rows(cur: Any, decided: _Decided) -> int:
+        rows = decided.messages(table, far)
+        _copy(cur, "broker_message", _QUEUE_COLUMNS, rows)
+        return int(rows.num_rows)
+
+    def staged_rows(cur: Any, decided: _Decided) -> int:
+        staged = decided.staged(table, far)
+        _copy(cur, "broker_spark_staging", _STAGING_COLUMNS, staged)
+        return int(staged.num_rows)
+
     conversations = _conversations(table)
     other_types = _with_other_types(table, far)
+    yield into_far(far, conversations, other_types, queue_rows, staged_rows)
+
+
+def result_batch(rows: list[dict[str, Any]]) -> Any:
+    """Rows of :data:`RESULT_SCHEMA` as an Arrow batch."""
+    import pyarrow as pa
+
+    schema = pa.schema(
+        [
+            ("kind", pa.string()),
+            ("source_handle", pa.string()),
+            ("upto", pa.int64()),
+            ("service", pa.string()),
+            ("n", pa.int64()),
+        ]
+    )
+    return pa.RecordBatch.from_pylist(rows, schema=schema)
+
+
+def into_far(
+    far: Far,
+    conversations: list[_Conversation],
+    other_types: set[tuple[str, bool]],
+    queue_rows: Callable[[Any, _Decided], int],
+    staged_rows: Callable[[Any, _Decided], int],
+) -> Any:
+    """The far broker's transaction for ``conversations`` (in conversation order): lock their
+    endpoints, decide, create what is new, write the messages that go into queues
+    (``queue_rows``) and stage the rest (``staged_rows``; both return how many rows they
+    wrote), raise the receive sequence numbers. Returns the :data:`RESULT_SCHEMA` batch."""
+    import psycopg
+
     with psycopg.connect(far.conninfo) as conn, conn.cursor() as cur:
         # The far endpoints, locked in handle order until the messages are in.
         cur.execute(
@@ -331,8 +367,10 @@ def write_partition(far: Far, plan: Any, batches: Iterator[Any]) -> Iterator[Any
         decided = _decide(far, conversations, other_types, endpoints, waiting_here)
         _copy_rows(cur, "broker_conversation_group", _GROUP_COLUMNS, decided.new_groups)
         _copy_rows(cur, "broker_conversation_endpoint", _ENDPOINT_COLUMNS, decided.new_endpoints)
-        _copy(cur, "broker_message", _QUEUE_COLUMNS, decided.messages(table, far))
-        staged = decided.staged(table, far)
+        expected = sum(c.count - skip for c, skip, _ in decided.slices)
+        written = queue_rows(cur, decided)
+        if written != expected:  # the source changed under a read that should not see it
+            raise RuntimeError(f"{written} messages written into queues, {expected} expected")
         # Conversations before messages: the next run from this source finds a dead run's
         # staged messages by its conversations (commit.prepare).
         _copy_rows(
@@ -341,7 +379,7 @@ def write_partition(far: Far, plan: Any, batches: Iterator[Any]) -> Iterator[Any
             _STAGED_CONVERSATION_COLUMNS,
             decided.staged_conversations(far),
         )
-        _copy(cur, "broker_spark_staging", _STAGING_COLUMNS, staged)
+        staged = staged_rows(cur, decided)
         if decided.raised:
             cur.execute(
                 "UPDATE broker_conversation_endpoint e SET receive_sequence = v.upto "
@@ -361,10 +399,8 @@ def write_partition(far: Far, plan: Any, batches: Iterator[Any]) -> Iterator[Any
         {"kind": "ack", "source_handle": h, "upto": upto, "service": svc, "n": n}
         for h, upto, svc, n in decided.acks
     ]
-    rows.append(
-        {"kind": "staged", "source_handle": None, "upto": 0, "service": None, "n": staged.num_rows}
-    )
-    yield pa.RecordBatch.from_pylist(rows, schema=result)
+    rows.append({"kind": "staged", "source_handle": None, "upto": 0, "service": None, "n": staged})
+    return result_batch(rows)
 
 
 def _checkpoint(name: str) -> None:
@@ -383,8 +419,9 @@ class _Decided:
     """What one task does with each of its conversations."""
 
     def __init__(self) -> None:
-        #: (first row, rows, plan index) of the messages that go into queues
-        self.slices: list[tuple[int, int, int]] = []
+        #: (conversation, how many of its first messages the far side has, plan index) of the
+        #: messages that go into queues
+        self.slices: list[tuple[_Conversation, int, int]] = []
         #: per plan index: queue, group, handle, priority, service, contract
         self.plan: list[tuple[int, str, str, int, str, str]] = []
         #: conversations for the staged commit
@@ -402,9 +439,9 @@ class _Decided:
 
         rows: list[int] = []
         which: list[int] = []
-        for start, n, i in self.slices:
-            rows.extend(range(start, start + n))
-            which.extend([i] * n)
+        for c, skip, i in self.slices:
+            rows.extend(range(c.start + skip, c.start + c.count))
+            which.extend([i] * (c.count - skip))
         taken = table.select(["seq", "message_type", "message_body"]).take(
             pa.array(rows, pa.int64())
         )
@@ -528,7 +565,7 @@ def _decide(
                     far.now,
                 )
             )
-            d.slices.append((c.start, c.count, len(d.plan)))
+            d.slices.append((c, 0, len(d.plan)))
             d.plan.append((svc.queue_id, group, handle, priority, c.to_service, c.contract))
             d.acks.append((c.source_handle, c.max_seq + 1, c.to_service, c.count))
             continue
@@ -544,7 +581,7 @@ def _decide(
         upto = max(recv, c.max_seq + 1)
         if upto > recv:
             skip = recv - c.min_seq if recv > c.min_seq else 0
-            d.slices.append((c.start + skip, c.count - skip, len(d.plan)))
+            d.slices.append((c, skip, len(d.plan)))
             d.plan.append((queue_id, group, handle, priority, service, c.contract))
             d.raised[handle] = upto
         if bound is None:

@@ -24,6 +24,8 @@ from sqlalchemy.engine import URL, make_url
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from airflow_broker.spark.direct_stream import Source
+
 #: Debian's JDBC drivers (``apt-get install libpostgresql-jdbc-java libxerial-sqlite-jdbc-java``).
 DEBIAN_JARS = ("/usr/share/java/postgresql.jar", "/usr/share/java/sqlite-jdbc.jar")
 #: The same drivers from Maven Central, for ``spark.jars.packages`` on a cluster.
@@ -116,6 +118,17 @@ def _due(dialect: str, due_by: datetime | None) -> str:
     return "" if due_by is None else f" AND t.next_attempt_at <= {_sql_time(dialect, due_by)}"
 
 
+def moves(dialect: str, due_by: datetime | None) -> str:
+    """The condition on ``t`` (the transmission queue) of the rows the job moves, its endpoint's
+    conditions as a semi-join the server hashes once (not a join and an anti-join for every
+    row): the rows of :func:`pending_query`."""
+    return (
+        f"{_ROW_MOVES}{_due(dialect, due_by)} AND t.conversation_handle IN "
+        f"(SELECT e.conversation_handle FROM broker_conversation_endpoint e "
+        f"WHERE {_ENDPOINT_MOVES})"
+    )
+
+
 def _pending_from(dialect: str, due_by: datetime | None, where: str = "") -> str:
     """The FROM and WHERE of the rows the job moves: the due transmission-queue rows joined to
     their endpoint (and ``where``, a condition on them)."""
@@ -179,10 +192,7 @@ def messages_query(dialect: str, due_by: datetime | None, where: str = "") -> st
                t.is_initiator,
                {_own_columns(epoch)}
         FROM broker_transmission_queue t
-        WHERE {_ROW_MOVES}{_due(dialect, due_by)}
-          AND t.conversation_handle IN
-              (SELECT e.conversation_handle FROM broker_conversation_endpoint e
-               WHERE {_ENDPOINT_MOVES})
+        WHERE {moves(dialect, due_by)}
         {f"AND ({where})" if where else ""}
     """
 
@@ -302,6 +312,21 @@ def read_conversations(
     return reader.option("dbtable", f"({sql}) conversations").option("fetchsize", "10000").load()
 
 
+def stream_source(url: str | URL, *, due_by: datetime | None, partitions: int) -> Source:
+    """What the tasks of a direct write read at a PostgreSQL source themselves
+    (:mod:`airflow_broker.spark.direct_stream`): the rows :func:`messages_query` reads, split
+    into the same ``partitions`` ranges of conversation ids."""
+    from airflow_broker.spark.direct_stream import Source
+
+    _, epoch = _text_and_epoch("postgresql")
+    return Source(
+        conninfo=conninfo(url),
+        moves=moves("postgresql", due_by),
+        lifetime_key=f"COALESCE({epoch.format('t.lifetime')}, CAST('-Infinity' AS float8))",
+        ranges=tuple(conversation_ranges("postgresql", partitions)),
+    )
+
+
 def write_table(df: DataFrame, url: str | URL, table: str, *, partitions: int) -> None:
     """Append ``df`` to ``table`` of a broker database (the staging table; the benchmark's plain
     copy). SQLite takes one writer at a time: one partition writes there."""
@@ -374,8 +399,10 @@ __all__ = [
     "copy_table",
     "jdbc_of",
     "messages_query",
+    "moves",
     "pending_query",
     "read_pending",
     "session",
+    "stream_source",
     "write_table",
 ]

@@ -64,6 +64,7 @@ from airflow_broker.transport import Inbound, Unreachable, env_name, resolve
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from airflow_broker.spark.direct_stream import Source
     from airflow_broker.storage.context import BrokerContext
 
 log = logging.getLogger("airflow_broker")
@@ -282,6 +283,13 @@ def run(
     # Grouped by the source, the conversations' rows carry what their messages share: the
     # messages are read with only their own columns.
     grouped = source.dialect == "postgresql" and classifier is None
+    # The tasks of a direct write from PostgreSQL read their messages from the source
+    # themselves, not through Spark (spark.direct_stream).
+    stream = (
+        jdbc.stream_source(source.engine.url, due_by=due_by, partitions=parts)
+        if grouped and direct
+        else None
+    )
     pending = jdbc.read_pending(
         spark,
         source.engine.url,
@@ -357,6 +365,7 @@ def run(
                 laps,
                 commit_parallelism,
                 direct=direct,
+                stream=stream,
             )
             report.targets[far] = report.targets.get(far, 0) + n
         commit.record_waiting(source, waiting, retry_in=RETRY_BASE, now=now)
@@ -396,6 +405,7 @@ def _deliver(
     commit_parallelism: int,
     *,
     direct: bool,
+    stream: Source | None = None,
 ) -> str:
     """Deliver to ``target`` the messages of ``pending`` whose conversations are the ``chosen``
     rows of the plan (straight into its queues, or staged and committed), and acknowledge them
@@ -407,7 +417,7 @@ def _deliver(
     written: Written | None = None
     if direct and target.dialect == "postgresql":
         # Each task stages what it cannot write into queues, conversations and messages.
-        written = write_direct(pending, chosen, target, run_id, me, parts)
+        written = write_direct(pending, chosen, target, run_id, me, parts, stream)
         laps("written")
         staged = written.staged
     else:
