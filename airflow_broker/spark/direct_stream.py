@@ -35,6 +35,7 @@ from airflow_broker.spark.direct_task import (
     _Conversation,
     _Decided,
     into_far,
+    result_batch,
 )
 
 #: Bytes of COPY rows handed to the far broker at a time.
@@ -80,6 +81,8 @@ def stream_part(far: Far, source: Source, plan: Any, index: int) -> Any:
             "GROUP BY 1, 2, 3"
         ).fetchall()
         conversations, types = _conversations(groups, plan)
+        if not conversations:
+            return result_batch([])
         other_types = {
             (c.conversation_id, c.from_initiator)
             for c in conversations
