@@ -141,7 +141,8 @@ def _conversations(
     count, types) that are in ``plan``, as conversations in the order the Spark path sorts its
     rows (conversation id, direction), and each one's message types. A conversation whose
     messages have two lifetimes (two rows of the plan) is one conversation with two keys, as
-    its sorted rows are on the Spark path."""
+    its sorted rows are on the Spark path, and what it shares is taken from the row of its
+    first message, as there."""
     import pyarrow as pa
 
     columns = (
@@ -164,7 +165,9 @@ def _conversations(
     )
     joined = found.join(
         plan, keys=["raw_handle", "lifetime_key"], join_type="inner", use_threads=False
-    ).sort_by([("conversation_id", "ascending"), ("from_initiator", "ascending")])
+    ).sort_by(
+        [("conversation_id", "ascending"), ("from_initiator", "ascending"), ("lo", "ascending")]
+    )
     conversations: list[_Conversation] = []
     types: dict[tuple[str, bool], set[str]] = {}
     for r in joined.to_pylist():
