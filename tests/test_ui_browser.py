@@ -193,7 +193,9 @@ def run_the_page(
     reenabled_shot = shots / "3-re-enabled.png"
     with screenshot_on_failure(page, reenabled_shot):
         row.get_by_role("button", name="Re-enable").click()
-        expect(frame.locator("#flash")).to_contain_text(f"queue '{SUPPLIER_QUEUE}' re-enabled")
+        expect(frame.locator("#flash")).to_contain_text(
+            f"queue '{SUPPLIER_QUEUE}' re-enabled", timeout=SEEN
+        )
         af.wait_for("the engine to see the queue enabled", lambda: enabled(broker, SUPPLIER_QUEUE))
         expect(row.locator("td.status")).to_contain_text("enabled", timeout=SEEN)
         expect(row.locator("td.status")).not_to_contain_text("DISABLED")
@@ -213,9 +215,16 @@ def run_the_page(
         vpage.goto(f"{base}/broker/ui/")
         vrow = vpage.locator(f'#queues-table tr[data-queue="{SUPPLIER_QUEUE}"]')
         expect(vrow.locator("td.status")).to_contain_text("DISABLED", timeout=SEEN)
-        vrow.get_by_role("button", name="Re-enable").click()
+        # The refresh every 5 s redraws the row (its oldest message ages) but keeps the
+        # button: a click or the keyboard's focus is not swapped out from under the person.
+        button = vrow.get_by_role("button", name="Re-enable")
+        kept = button.element_handle()
+        shown = vpage.locator("#updated").text_content() or ""
+        expect(vpage.locator("#updated")).not_to_have_text(shown, timeout=SEEN)
+        assert kept.evaluate("el => el.isConnected"), "the refresh replaced the Re-enable button"
+        button.click()
         flash = vpage.locator("#flash")
-        expect(flash).to_contain_text("403 Forbidden")
+        expect(flash).to_contain_text("403 Forbidden", timeout=SEEN)
         expect(flash).to_contain_text("may not change the broker")
         vpage.screenshot(path=refused_shot)
     assert not enabled(broker, SUPPLIER_QUEUE), f"a viewer re-enabled it; see {refused_shot}"

@@ -65,14 +65,42 @@
 
   const $ = (selector) => document.querySelector(selector);
 
+  /**
+   * Show these rows. When the table already shows the same keyed rows in the same order (the
+   * usual refresh), only the cells that changed are replaced: a button being clicked, or holding
+   * the keyboard's focus, is not swapped out from under the person every 5 s. A renderer opts a
+   * row in with data-key, promising that its handlers depend on nothing but that key and the
+   * cell's own markup.
+   */
   function fill(tbody, rows, columns, emptyText) {
     if (rows.length === 0) {
       tbody.replaceChildren(
         h("tr", { class: "empty" }, h("td", { colspan: columns }, emptyText || "None."))
       );
-    } else {
-      tbody.replaceChildren(...rows);
+      return;
     }
+    const shown = [...tbody.rows];
+    const same =
+      shown.length === rows.length &&
+      rows.every((row, i) => row.dataset.key !== undefined && row.dataset.key === shown[i].dataset.key);
+    if (!same) {
+      tbody.replaceChildren(...rows);
+      return;
+    }
+    rows.forEach((row, i) => patchRow(shown[i], row));
+  }
+
+  function patchRow(row, next) {
+    for (const { name } of [...row.attributes]) if (!next.hasAttribute(name)) row.removeAttribute(name);
+    for (const { name, value } of [...next.attributes]) if (row.getAttribute(name) !== value) row.setAttribute(name, value);
+    const cells = [...next.cells];
+    if (cells.length !== row.cells.length) {
+      row.replaceChildren(...cells);
+      return;
+    }
+    cells.forEach((cell, i) => {
+      if (cell.outerHTML !== row.cells[i].outerHTML) row.replaceChild(cell, row.cells[i]);
+    });
   }
 
   // -- formatting ------------------------------------------------------------------------------
@@ -359,7 +387,7 @@
   function renderCertificatesExpiring(certs) {
     $("#certificates-expiring").hidden = certs.length === 0;
     const rows = certs.map((c) =>
-      h("tr", { "data-certificate": c.name, class: c.expired ? "disabled" : "" },
+      h("tr", { "data-key": c.name, "data-certificate": c.name, class: c.expired ? "disabled" : "" },
         h("th", { scope: "row", title: `subject ${c.subject} · fingerprint ${c.fingerprint}` }, c.name),
         h("td", null, c.owner),
         h("td", null, when(c.expires_at)),
@@ -376,7 +404,7 @@
     const rows = queues.map((q) => {
       const disabled = q.status !== "enabled";
       const last = q.last_poison_event;
-      return h("tr", { "data-queue": q.name, class: disabled ? "disabled" : "" },
+      return h("tr", { "data-key": q.name, "data-queue": q.name, class: disabled ? "disabled" : "" },
         h("th", { scope: "row" }, q.name,
           q.retention ? h("span", { class: "tag", title: "RETENTION = ON" }, "retention") : null,
           q.activation ? h("span", { class: "tag", title: JSON.stringify(q.activation) }, "activation") : null),
@@ -655,7 +683,7 @@
 
   function renderConversations(data) {
     const rows = data.items.map((c) =>
-      h("tr", { "data-conversation": c.conversation_handle },
+      h("tr", { "data-key": c.conversation_handle, "data-conversation": c.conversation_handle },
         h("td", null, shortId(c.conversation_handle)),
         h("td", null, c.service_name, h("span", { class: "muted" }, " → "), c.far_service,
           c.far_broker_instance && c.far_broker_instance !== view.instance
@@ -695,7 +723,7 @@
         : [h("span", { class: "muted" }, "Nothing waiting to leave.")])
     );
     const rows = data.items.map((t) =>
-      h("tr", { "data-transmission": t.id },
+      h("tr", { "data-key": t.id, "data-transmission": t.id },
         h("td", { class: "num" }, t.id),
         h("td", null, shortId(t.conversation_handle)),
         h("td", null, t.from_service_name, h("span", { class: "muted" }, " → "), t.to_service_name,
@@ -729,7 +757,7 @@
   function renderServices(services) {
     view.services = services;
     const rows = services.map((s) =>
-      h("tr", { "data-service": s.name },
+      h("tr", { "data-key": s.name, "data-service": s.name },
         h("th", { scope: "row" }, s.name, s.routing_service ? h("span", { class: "tag" }, "routing") : null),
         h("td", null, s.queue),
         h("td", null, s.contracts.join(", ") || h("span", { class: "muted" }, "— (initiator only)")),
