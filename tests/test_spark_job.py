@@ -512,3 +512,24 @@ def test_sales_requests_are_classified_by_region_to_the_regional_brokers(
 def test_a_password_on_the_command_line_is_refused() -> None:
     with pytest.raises(SystemExit, match="password"):
         job.source_url("postgresql+psycopg://u:secret@db/x")
+
+
+@pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
+def test_a_conversation_past_its_lifetime_waits_with_the_reason_while_the_rest_move(
+    spark: SparkSession, network: Network
+) -> None:
+    """The plan's summary decides whether the job looks for the conversations that wait: with
+    one past its lifetime among others that move, it is found, counted and given its reason."""
+    net = network("a", "b")
+    a, b = net["a"], net["b"]
+    host_initiator(a)
+    host_target(b)
+    a.create_route("ToTarget", TARGET, None, "broker://b")
+    send_dialogs(a, [2, 3])
+    (expired,) = send_dialogs(a, [4], lifetime_seconds=60)
+    report = job.run(a, spark, now=datetime.now(UTC) + timedelta(hours=1))
+    assert report.acknowledged == 5 and report.waiting == {"discard": 4}
+    rows = a.transmission_queue()
+    assert {r.conversation_handle for r in rows} == {expired} and len(rows) == 4
+    assert all("lifetime is over" in r.transmission_status for r in rows)
+    assert len(drain_all(b, TARGET_QUEUE)) == 5

@@ -134,15 +134,6 @@ def write_direct(
     }
     plan = chosen.select(*[plan_columns[c].alias(c) for c in direct_task.PLAN_COLUMNS]).toArrow()
     far = _far(target, plan, run_id, me)
-    message_columns = {
-        "raw_handle": F.col("conversation_handle"),
-        "lifetime_key": lifetime_key(F.col("lifetime_epoch")),
-        "from_initiator": F.col("is_initiator"),
-        "seq": F.col("message_sequence_number"),
-        "message_type": F.col("message_type_name"),
-        "validation": F.col("validation"),
-        "message_body": jdbc.bytea_text(F.col("message_body")),
-    }
     sc = pending.sparkSession.sparkContext
     shared = sc.broadcast(plan)
     # Shipped by value: the executors need psycopg and pyarrow, not airflow_broker.
@@ -157,6 +148,15 @@ def write_direct(
                 .collect()
             )
         else:
+            message_columns = {
+                "raw_handle": F.col("conversation_handle"),
+                "lifetime_key": lifetime_key(F.col("lifetime_epoch")),
+                "from_initiator": F.col("is_initiator"),
+                "seq": F.col("message_sequence_number"),
+                "message_type": F.col("message_type_name"),
+                "validation": F.col("validation"),
+                "message_body": jdbc.bytea_text(F.col("message_body")),
+            }
             messages = pending.select(
                 *[message_columns[c].alias(c) for c in direct_task.INPUT_COLUMNS]
             )

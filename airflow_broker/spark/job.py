@@ -330,11 +330,16 @@ def run(
         laps("planned")
         waiting: dict[uuid.UUID, str] = {}
         counts: Counter[str] = Counter()
+        # Which conversations wait, and why: a Spark action, run only when the summary shows
+        # some do (a run that moves everything spares it).
+        held = [o for o in ("delayed", "unclassified", "discard") if outcomes[o]]
         for row in (
-            planned.where(F.col("outcome").isin("delayed", "unclassified", "discard"))
+            planned.where(F.col("outcome").isin(*held))
             .groupBy("conversation_handle", "outcome", "reason", "discard", "classified")
             .agg(F.sum("messages").alias("n"))
             .collect()
+            if held
+            else ()
         ):
             waiting[uuid.UUID(row.conversation_handle)] = _why(row, classify_service)
             counts[row.outcome] += int(row.n)
@@ -366,6 +371,7 @@ def run(
                 commit_parallelism,
                 direct=direct,
                 stream=stream,
+                classifying=classifier is not None and classify_service is not None,
             )
             report.targets[far] = report.targets.get(far, 0) + n
         commit.record_waiting(source, waiting, retry_in=RETRY_BASE, now=now)
@@ -406,6 +412,7 @@ def _deliver(
     *,
     direct: bool,
     stream: Source | None = None,
+    classifying: bool = False,
 ) -> str:
     """Deliver to ``target`` the messages of ``pending`` whose conversations are the ``chosen``
     rows of the plan (straight into its queues, or staged and committed), and acknowledge them
@@ -437,13 +444,18 @@ def _deliver(
     if written is not None:
         done.acks += written.acks
         done.inserted += written.inserted
-    classified = {
-        uuid.UUID(r[0]): r[1]
-        for r in chosen.where(F.col("classified").isNotNull())
-        .select("conversation_handle", "classified")
-        .distinct()
-        .collect()
-    }
+    # The services a classifier named: a Spark action, so only when there is a classifier.
+    classified = (
+        {
+            uuid.UUID(r[0]): r[1]
+            for r in chosen.where(F.col("classified").isNotNull())
+            .select("conversation_handle", "classified")
+            .distinct()
+            .collect()
+        }
+        if classifying
+        else {}
+    )
     report.acknowledged += commit.acknowledge(source, done, classified=classified)
     laps("acknowledged")
     report.delivered += done.inserted + sum(1 for a in done.answers if a.kind == "A")
