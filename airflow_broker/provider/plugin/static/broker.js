@@ -99,7 +99,7 @@
       return;
     }
     cells.forEach((cell, i) => {
-      if (cell.outerHTML !== row.cells[i].outerHTML) row.replaceChild(cell, row.cells[i]);
+      if (!cell.isEqualNode(row.cells[i])) row.replaceChild(cell, row.cells[i]);
     });
   }
 
