@@ -333,14 +333,15 @@ def run(
         # Which conversations wait, and why: a Spark action, run only when the summary shows
         # some do (a run that moves everything spares it).
         held = [o for o in ("delayed", "unclassified", "discard") if outcomes[o]]
-        for row in (
+        held_rows = (
             planned.where(F.col("outcome").isin(*held))
             .groupBy("conversation_handle", "outcome", "reason", "discard", "classified")
             .agg(F.sum("messages").alias("n"))
             .collect()
             if held
-            else ()
-        ):
+            else []
+        )
+        for row in held_rows:
             waiting[uuid.UUID(row.conversation_handle)] = _why(row, classify_service)
             counts[row.outcome] += int(row.n)
         remote = planned.where(F.col("outcome") == "remote")
@@ -412,7 +413,7 @@ def _deliver(
     *,
     direct: bool,
     stream: Source | None = None,
-    classifying: bool = False,
+    classifying: bool,
 ) -> str:
     """Deliver to ``target`` the messages of ``pending`` whose conversations are the ``chosen``
     rows of the plan (straight into its queues, or staged and committed), and acknowledge them
