@@ -45,6 +45,9 @@ class SparkRoutingOperator(SparkSubmitOperator):
     :param classify_service: the service whose new conversations the classifier routes
     :param partitions: parallel JDBC reads of the transmission queue (default: the cores)
     :param retry_now: also take messages whose next attempt is not due yet
+    :param source_work_mem: ``work_mem`` of the job's reads that group and sort at a PostgreSQL
+        source (default ``64MB``, :data:`airflow_broker.spark.jdbc.SOURCE_WORK_MEM`; None keeps
+        the server's setting)
     :param pass_broker_urls: give the job the brokers' URLs in its environment (see above)
     :param conn_id: the Spark connection (its host ``local[*]`` runs the job in the worker)
     """
@@ -60,6 +63,7 @@ class SparkRoutingOperator(SparkSubmitOperator):
         classify_service: str | None = None,
         partitions: int | None = None,
         retry_now: bool = False,
+        source_work_mem: str | None = jdbc.SOURCE_WORK_MEM,
         pass_broker_urls: bool = True,
         conn_id: str = "spark_default",
         name: str = "airflow-broker-routing",
@@ -70,6 +74,10 @@ class SparkRoutingOperator(SparkSubmitOperator):
                 f"{type(self).__name__}: classifier and classify_service go together "
                 f"(got classifier={classifier!r}, classify_service={classify_service!r})"
             )
+        try:
+            jdbc.checked_work_mem(source_work_mem)
+        except ValueError as exc:
+            raise ValueError(f"{type(self).__name__}: {exc}") from None
         args = ["--source", broker_conn_id]
         if classifier and classify_service:
             args += ["--classifier", classifier, "--classify-service", classify_service]
@@ -77,6 +85,8 @@ class SparkRoutingOperator(SparkSubmitOperator):
             args += ["--partitions", str(partitions)]
         if retry_now:
             args.append("--retry-now")
+        if source_work_mem != jdbc.SOURCE_WORK_MEM:
+            args += ["--source-work-mem", source_work_mem or "server"]
         if not kwargs.get("jars") and not kwargs.get("packages"):
             found = [j for j in jdbc.DEBIAN_JARS if Path(j).exists()]
             kwargs["jars"] = ",".join(found) if found else None

@@ -533,3 +533,62 @@ def test_a_conversation_past_its_lifetime_waits_with_the_reason_while_the_rest_m
     assert {r.conversation_handle for r in rows} == {expired} and len(rows) == 4
     assert all("lifetime is over" in r.transmission_status for r in rows)
     assert len(drain_all(b, TARGET_QUEUE)) == 5
+
+
+def test_the_source_work_mem_must_be_a_memory_size() -> None:
+    """``--source-work-mem``: a PostgreSQL memory size, or ``server`` for the server's own
+    setting; anything else is refused before a connection is made, naming the value."""
+    assert jdbc.checked_work_mem("64MB") == "64MB" and jdbc.checked_work_mem(None) is None
+    assert job.parse_args(["--source", "a"]).source_work_mem == jdbc.SOURCE_WORK_MEM
+    assert job.parse_args(["--source", "a", "--source-work-mem", "server"]).source_work_mem is None
+    assert (
+        job.parse_args(["--source", "a", "--source-work-mem", "256kB"]).source_work_mem == "256kB"
+    )
+    for bad in ("lots", "0", "64 MB", "64MB'; DROP TABLE broker_queue; --", "1TB"):
+        with pytest.raises(ValueError, match="not a PostgreSQL memory size"):
+            jdbc.checked_work_mem(bad)
+    with pytest.raises(SystemExit):
+        job.parse_args(["--source", "a", "--source-work-mem", "lots"])
+
+
+@pytest.mark.parametrize("new_db", ["postgres"], indirect=True)
+def test_the_source_work_mem_reaches_the_grouped_read_and_the_tasks_and_a_refused_one_moves_nothing(
+    spark: SparkSession, network: Network, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job's work_mem is set on the source's grouped read and in each task's reading
+    transaction: a size the server refuses (below its 64kB minimum) fails the run at either,
+    with the server's reason, before anything moves."""
+    net = network("a", "b")
+    two_way(net)
+    a, b = net["a"], net["b"]
+    send_dialogs(a, [3, 2])
+    with pytest.raises(Exception, match="work_mem"):
+        jdbc.read_conversations(spark, a.engine.url, due_by=None, work_mem="1kB").collect()
+    with pytest.raises(Exception, match="work_mem"):
+        job.run(a, spark, source_work_mem="1kB")
+    # Only the tasks get the refused size: the grouped read keeps the server's.
+    read = jdbc.read_conversations
+    with monkeypatch.context() as m:
+        m.setattr(
+            jdbc, "read_conversations", lambda *args, **kw: read(*args, **kw | {"work_mem": None})
+        )
+        with pytest.raises(Exception, match="work_mem"):
+            job.run(a, spark, source_work_mem="1kB")
+    assert len(a.transmission_queue()) == 5
+    assert drain_all(b, TARGET_QUEUE) == []
+    assert job.run(a, spark).delivered == 5
+    assert len(drain_all(b, TARGET_QUEUE)) == 5
+
+
+def test_the_operator_passes_the_source_work_mem_to_the_job() -> None:
+    from airflow_broker.operators.spark import SparkRoutingOperator
+
+    def args(**kwargs: Any) -> list[str]:
+        return list(SparkRoutingOperator(task_id="route", **kwargs).application_args or [])
+
+    assert "--source-work-mem" not in args()
+    assert args(source_work_mem="256MB")[-2:] == ["--source-work-mem", "256MB"]
+    assert args(source_work_mem=None)[-2:] == ["--source-work-mem", "server"]
+    assert job.parse_args(args(source_work_mem=None)).source_work_mem is None
+    with pytest.raises(ValueError, match="SparkRoutingOperator: source work_mem 'lots'"):
+        args(source_work_mem="lots")

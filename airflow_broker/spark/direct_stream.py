@@ -54,6 +54,8 @@ class Source:
     lifetime_key: str
     #: one condition on ``t`` per task: its range of conversation ids
     ranges: tuple[str, ...]
+    #: ``work_mem`` of the reading transaction (None: the server's), for its sorts and groups
+    work_mem: str | None = None
 
 
 def stream_shared(far: Far, source: Source, plan: Any, tasks: Iterator[int]) -> Iterator[Any]:
@@ -74,6 +76,8 @@ def stream_part(far: Far, source: Source, plan: Any, index: int) -> Any:
     with psycopg.connect(source.conninfo) as src:
         src.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         src.read_only = True
+        if source.work_mem is not None:
+            src.execute("SELECT set_config('work_mem', %s, true)", (source.work_mem,))
         groups = src.execute(
             f"SELECT t.conversation_handle::text, {source.lifetime_key}, t.is_initiator, "
             "MIN(t.message_sequence_number), MAX(t.message_sequence_number), COUNT(*), "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 import uuid
 from dataclasses import dataclass
@@ -33,6 +34,27 @@ MAVEN_PACKAGES = "org.postgresql:postgresql:42.5.5,org.xerial:sqlite-jdbc:3.40.1
 
 #: Rows per JDBC batch when writing the staging table.
 WRITE_BATCH = 10_000
+
+#: ``work_mem`` of the job's grouping and sorting reads at a PostgreSQL source (the plan's
+#: grouped read, and each task's groups and ordered ``COPY``), set for those reads only. With
+#: the server's default (4MB) the grouped read sorted 10^6 rows on disk, serially (a JDBC read
+#: is a cursor, and the server runs no parallel workers for one): 0.94 s against 0.55 s with
+#: 64MB, where it hashes 10^4 groups in memory. A hash that outgrows it spills to disk as before.
+SOURCE_WORK_MEM = "64MB"
+_MEMORY = re.compile(r"[1-9][0-9]{0,8}(kB|MB|GB)?")
+
+
+def checked_work_mem(value: str | None) -> str | None:
+    """``value`` checked as a PostgreSQL memory size (``64MB``, ``262144`` kilobytes; kB, MB
+    or GB), or None (the server's setting)."""
+    if value is None:
+        return None
+    if not _MEMORY.fullmatch(value):
+        raise ValueError(
+            f"source work_mem {value!r} is not a PostgreSQL memory size such as '64MB' "
+            "(a whole number, then kB, MB or GB)"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -297,11 +319,15 @@ def conversation_ranges(dialect: str, partitions: int) -> list[str]:
 
 
 def read_conversations(
-    spark: SparkSession, url: str | URL, *, due_by: datetime | None
+    spark: SparkSession,
+    url: str | URL,
+    *,
+    due_by: datetime | None,
+    work_mem: str | None = SOURCE_WORK_MEM,
 ) -> DataFrame:
     """PostgreSQL: the due rows of a broker's transmission queue grouped into one row per
     conversation by the database itself (:func:`conversations_query`), in one JDBC query: only
-    the groups travel."""
+    the groups travel. ``work_mem``: the read's session's (see :data:`SOURCE_WORK_MEM`)."""
     jdbc = jdbc_of(url)
     if jdbc.dialect != "postgresql":
         raise ValueError(
@@ -309,13 +335,23 @@ def read_conversations(
         )
     sql = conversations_query(jdbc.dialect, due_by)
     reader = spark.read.format("jdbc").options(**jdbc.options())
+    memory = checked_work_mem(work_mem)
+    if memory is not None:
+        reader = reader.option("sessionInitStatement", f"SET work_mem = '{memory}'")
     return reader.option("dbtable", f"({sql}) conversations").option("fetchsize", "10000").load()
 
 
-def stream_source(url: str | URL, *, due_by: datetime | None, partitions: int) -> Source:
+def stream_source(
+    url: str | URL,
+    *,
+    due_by: datetime | None,
+    partitions: int,
+    work_mem: str | None = SOURCE_WORK_MEM,
+) -> Source:
     """What the tasks of a direct write read at a PostgreSQL source themselves
     (:mod:`airflow_broker.spark.direct_stream`): the rows :func:`messages_query` reads, split
-    into the same ``partitions`` ranges of conversation ids."""
+    into the same ``partitions`` ranges of conversation ids, with ``work_mem`` for each task's
+    reading transaction (see :data:`SOURCE_WORK_MEM`)."""
     from airflow_broker.spark.direct_stream import Source
 
     _, epoch = _text_and_epoch("postgresql")
@@ -324,6 +360,7 @@ def stream_source(url: str | URL, *, due_by: datetime | None, partitions: int) -
         moves=moves("postgresql", due_by),
         lifetime_key=f"COALESCE({epoch.format('t.lifetime')}, CAST('-Infinity' AS float8))",
         ranges=tuple(conversation_ranges("postgresql", partitions)),
+        work_mem=checked_work_mem(work_mem),
     )
 
 

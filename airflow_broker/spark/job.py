@@ -251,16 +251,19 @@ def run(
     partitions: int | None = None,
     commit_parallelism: int = COMMIT_PARALLELISM,
     direct: bool = True,
+    source_work_mem: str | None = jdbc.SOURCE_WORK_MEM,
 ) -> RunReport:
     """One run of the job from ``source`` (see the module's docstring). ``partitions``: the
     parallel JDBC reads (default: Spark's parallelism), each a transaction at a PostgreSQL far
     broker when ``direct``; ``commit_parallelism``: the parallel transactions of the staged
     commit there. ``direct=False`` stages every message, as the job did before it wrote into
-    queues from its tasks."""
+    queues from its tasks. ``source_work_mem``: ``work_mem`` of the reads that group and sort
+    at a PostgreSQL source (:data:`jdbc.SOURCE_WORK_MEM`; None keeps the server's)."""
     from pyspark.sql import functions as F
 
     if commit_parallelism < 1:
         raise ValueError(f"commit_parallelism must be 1 or more, not {commit_parallelism}")
+    source_work_mem = jdbc.checked_work_mem(source_work_mem)
     started = time.monotonic()
     now = now or utcnow()
     run_id = uuid.uuid4().hex
@@ -286,7 +289,9 @@ def run(
     # The tasks of a direct write from PostgreSQL read their messages from the source
     # themselves, not through Spark (spark.direct_stream).
     stream = (
-        jdbc.stream_source(source.engine.url, due_by=due_by, partitions=parts)
+        jdbc.stream_source(
+            source.engine.url, due_by=due_by, partitions=parts, work_mem=source_work_mem
+        )
         if grouped and direct
         else None
     )
@@ -300,7 +305,9 @@ def run(
         own_columns=grouped,
     )
     if grouped:
-        conv = jdbc.read_conversations(spark, source.engine.url, due_by=due_by)
+        conv = jdbc.read_conversations(
+            spark, source.engine.url, due_by=due_by, work_mem=source_work_mem
+        )
     else:
         conv = transforms.conversations(pending, with_body=classifier is not None)
     # One partition per read: a cached plan keeps its shuffles' partitioning (200 by default,
@@ -500,8 +507,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="stage every message before committing it, instead of writing into the queues "
         "of a PostgreSQL far broker from the Spark tasks",
     )
+    p.add_argument(
+        "--source-work-mem",
+        default=jdbc.SOURCE_WORK_MEM,
+        help=f"work_mem of the reads that group and sort at a PostgreSQL source (default "
+        f"{jdbc.SOURCE_WORK_MEM}; 'server' keeps the server's setting)",
+    )
     p.add_argument("--master", help="Spark master when not set by spark-submit")
     args = p.parse_args(argv)
+    if args.source_work_mem == "server":
+        args.source_work_mem = None
+    try:
+        jdbc.checked_work_mem(args.source_work_mem)
+    except ValueError as exc:
+        p.error(f"--source-work-mem: {exc}")
     if args.commit_parallelism < 1:
         p.error("--commit-parallelism must be 1 or more")
     if bool(args.classifier) != bool(args.classify_service):
@@ -526,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             partitions=args.partitions,
             commit_parallelism=args.commit_parallelism,
             direct=not args.staged,
+            source_work_mem=args.source_work_mem,
         )
     finally:
         spark.stop()
