@@ -85,6 +85,33 @@ def test_values_reach_the_server_as_they_were(pg_broker: Broker, conforming: str
         conn.rollback()
 
 
+def test_values_reach_the_server_as_they_were_as_parameters_of_a_committed_statement(
+    pg_broker: Broker, observed: list[bytes]
+) -> None:
+    """execute_committed runs a statement prepared on the connection in the extended
+    protocol, its values as parameters (bytea binary): the same values come back."""
+    fairy = pg_broker.engine.raw_connection()
+    try:
+        for sql_type, value in ROUND_TRIPS:
+            echo = direct.Prepared("SELECT $1", [sql_type])
+            for _ in range(2):  # prepared (simple query), then a parameter
+                rows = direct.execute_committed(fairy, pg_broker.engine, echo, [value])
+                assert rows == [(value,)], (sql_type, value)
+        other_zone = datetime(2026, 11, 26, 9, 0, tzinfo=timezone(timedelta(hours=2)))
+        echo = direct.Prepared("SELECT $1", ["timestamptz"])
+        assert direct.execute_committed(fairy, pg_broker.engine, echo, [other_zone]) == [
+            (other_zone,)
+        ]
+        with pytest.raises(ValueError, match="naive"):
+            direct.execute_committed(fairy, pg_broker.engine, echo, [datetime(2026, 1, 1)])
+        assert fairy.driver_connection.pgconn.transaction_status == 0  # PQTRANS_IDLE
+    finally:
+        fairy.close()
+    # Every run but the first of each statement (one per SQL type) took the parameters.
+    extended = [q for q in observed if q.endswith(b"(extended protocol, autocommit)")]
+    assert len(extended) == 2 * len(ROUND_TRIPS) + 1 - len({t for t, _ in ROUND_TRIPS})
+
+
 def test_a_naive_datetime_or_an_unknown_type_is_refused(pg_broker: Broker) -> None:
     with pg_broker.engine.connect() as conn:
         with pytest.raises(ValueError, match="naive"):
@@ -271,7 +298,8 @@ def test_a_committed_statement_is_one_query_and_leaves_the_connection_idle(
             fairy.close()
     first, second = observed
     assert first.startswith(b"PREPARE ") and first.endswith(b";COMMIT")
-    assert second.startswith(b"BEGIN;EXECUTE ") and second.endswith(b";COMMIT")
+    # Prepared: the statement alone, its value a parameter, committed by the server.
+    assert second == b"EXECUTE " + one.name.encode() + b" (extended protocol, autocommit)"
 
 
 def test_a_committed_statement_that_fails_is_rolled_back_and_raised(pg_broker: Broker) -> None:
@@ -291,10 +319,20 @@ def test_a_committed_statement_that_fails_is_rolled_back_and_raised(pg_broker: B
         assert not caught.value.connection_invalidated
         assert fairy.driver_connection.pgconn.transaction_status == 0
         assert direct.execute_committed(fairy, pg_broker.engine, insert, [5]) == [(5,)]
+        # Prepared now: the same in the extended protocol, where the server rolls it back.
+        with pytest.raises(sqlalchemy.exc.IntegrityError) as caught:
+            direct.execute_committed(fairy, pg_broker.engine, insert, [-2])
+        assert caught.value.orig.sqlstate == "23514"
+        assert not caught.value.connection_invalidated
+        assert fairy.driver_connection.pgconn.transaction_status == 0
+        assert direct.execute_committed(fairy, pg_broker.engine, insert, [6]) == [(6,)]
     finally:
         fairy.close()
     with pg_broker.engine.connect() as conn:
-        assert conn.execute(text("SELECT n FROM committed_probe")).scalars().all() == [5]
+        assert conn.execute(text("SELECT n FROM committed_probe ORDER BY n")).scalars().all() == [
+            5,
+            6,
+        ]
 
 
 def test_a_committed_statement_on_a_killed_connection_invalidates_it(pg_broker: Broker) -> None:
@@ -352,9 +390,9 @@ def test_a_first_send_that_takes_the_usual_way_leaves_its_statement_prepared(
     pg_broker.send(h, NOTE, b"first")
     pg_broker.send(h, NOTE, b"second")
     assert "prepared statements do not last" not in caplog.text
-    committed = [q for q in observed if q.endswith(b";COMMIT")]
+    committed = [q for q in observed if q.endswith((b";COMMIT", b"autocommit)"))]
     assert len(committed) == 2
     assert committed[0].startswith(b"PREPARE ")  # refused: the dialog's first message
-    assert committed[1].startswith(b"BEGIN;EXECUTE ")
+    assert committed[1].startswith(b"EXECUTE ") and committed[1].endswith(b"autocommit)")
     got = [m.message_body for m in drain(pg_broker, SUPPLIER_QUEUE)]
     assert sorted(got) == [b"first", b"other", b"second"]

@@ -13,7 +13,12 @@ SEND. Here a statement travels as one simple query on the connection's libpq han
 - values are written as literals: numbers and UUIDs by their own spelling, text through
   libpq's ``PQescapeLiteral``, bytea as ``decode('HEX', 'hex')`` (no backslashes, whatever
   ``standard_conforming_strings`` says);
-- rows are decoded by psycopg's own loaders (:class:`psycopg.adapt.Transformer`).
+- rows are decoded by psycopg's own loaders (:class:`psycopg.adapt.Transformer`);
+- a statement that is a transaction of its own (``Broker.send``, :func:`execute_committed`)
+  runs, once prepared, alone in the extended protocol with its values as parameters: the
+  server commits it, with no BEGIN and COMMIT to parse and no literals to write or read
+  (about 25 µs less per single SEND, a twentieth, measured alternating on this project's
+  machine).
 
 The SQLAlchemy :class:`~sqlalchemy.engine.Connection` stays the owner of the transaction: its
 transaction is begun (no SQL on PostgreSQL) before the statement, and it commits or rolls back
@@ -177,24 +182,34 @@ def execute_committed(
     ``engine.raw_connection()``; the caller gives it back). Returns the statement's rows.
 
     For a statement that is a whole transaction (``Broker.send``): SQLAlchemy's Connection and
-    transaction cost about as much client time as the rest of the SEND. On an error the
-    transaction is rolled back, so that the connection goes back to the pool clean, and the
-    error is raised as SQLAlchemy raises it; a lost connection is invalidated."""
+    transaction cost about as much client time as the rest of the SEND. Once the statement is
+    prepared on the connection it runs alone in the extended protocol, with its arguments as
+    parameters (:func:`_autocommitted`): the server commits it, or rolls it back on an error,
+    with no BEGIN or COMMIT to parse and no literals to write. The first time, it is prepared
+    and run as ``PREPARE; BEGIN; EXECUTE name(literals); COMMIT`` in one simple query. On an
+    error the transaction is rolled back, so that the connection goes back to the pool clean,
+    and the error is raised as SQLAlchemy raises it; a lost connection is invalidated."""
     raw: Any = fairy.driver_connection
     info = fairy.info
-    literals = [literal(_escaping(info, raw), a) for a in args]
     for attempt in (1, 2):
         inline = engine in _inline_engines
         prepared: set[str] = info.setdefault("broker_prepared", set())
-        new = not inline and statement.name not in prepared
-        query = _statement_query(statement, literals, inline=inline)
-        parts = [statement.prepare] if new else []
-        results = _results(fairy, raw, b";".join([*parts, b"BEGIN", query, b"COMMIT"]))
-        if new:
-            _note_prepared(prepared, statement, results)
+        if not inline and statement.name in prepared:
+            query = b"EXECUTE " + statement.name.encode() + b" (extended protocol, autocommit)"
+            results = _autocommitted(fairy, raw, statement, args, query)
+            pick = -1
+        else:
+            literals = [literal(_escaping(info, raw), a) for a in args]
+            new = not inline
+            query = _statement_query(statement, literals, inline=inline)
+            parts = [statement.prepare] if new else []
+            results = _results(fairy, raw, b";".join([*parts, b"BEGIN", query, b"COMMIT"]))
+            if new:
+                _note_prepared(prepared, statement, results)
+            pick = -2
         failed = next((r for r in results if r.status not in _SUCCESS), None)
         if failed is None:
-            return _rows(info, raw, results[-2])
+            return _rows(info, raw, results[pick])
         if raw.pgconn.transaction_status != _IDLE:
             _results(fairy, raw, b"ROLLBACK")
         state = (failed.error_field(_SQLSTATE) or b"").decode()
@@ -204,6 +219,55 @@ def execute_committed(
             engine, prepared, (failed.error_message or b"").decode(errors="replace").strip()
         )
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def parameter(value: Any) -> tuple[bytes | None, int]:
+    """``value`` as a parameter of the extended protocol: its bytes and format (0 text, 1
+    binary). The types are :func:`literal`'s; bytea goes binary, as it is."""
+    if value is None:
+        return None, 0
+    if isinstance(value, bool):
+        return (b"t" if value else b"f"), 0
+    if isinstance(value, int):
+        return str(int(value)).encode(), 0
+    if isinstance(value, uuid.UUID):
+        return str(value).encode(), 0
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value), 1
+    if isinstance(value, str):
+        return value.encode(), 0
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ValueError(f"a naive datetime cannot be sent as timestamptz: {value!r}")
+        return value.isoformat().encode(), 0
+    if isinstance(value, list) and all(isinstance(v, uuid.UUID) for v in value):
+        return b"{" + ",".join(str(v) for v in value).encode() + b"}", 0
+    raise TypeError(f"no SQL parameter for {type(value).__name__} {value!r}")
+
+
+def _autocommitted(
+    conn: _Invalidates, raw: Any, statement: Prepared, args: Sequence[Any], query: bytes
+) -> list[PGresult]:
+    """Run the prepared ``statement`` with ``args`` as parameters, outside any transaction:
+    the server runs it in one of its own and commits it (the extended protocol's Sync ends
+    it), or rolls it back on an error. ``query`` names it for errors and :data:`observer`."""
+    values: list[bytes | None] = []
+    formats: list[int] = []
+    for a in args:
+        value, fmt = parameter(a)
+        values.append(value)
+        formats.append(fmt)
+    pgconn = raw.pgconn
+    started = _clock() if observer is not None else 0.0
+    try:
+        pgconn.send_query_prepared(statement.name.encode(), values, formats)
+        results = _collect(pgconn)
+    except BaseException as exc:
+        _lost(conn, query, exc)
+        raise
+    if observer is not None:
+        observer(query, _clock() - started)
+    return results
 
 
 def _statement_query(statement: Prepared, literals: list[bytes], *, inline: bool) -> bytes:
@@ -358,24 +422,29 @@ def _results(conn: _Invalidates, raw: Any, query: bytes) -> list[PGresult]:
     try:
         results = _roundtrip(pgconn, query)
     except BaseException as exc:
-        # Interrupted, or the connection broke, with the query in flight: nothing more can be
-        # said on this connection.
-        conn.invalidate(exc if isinstance(exc, Exception) else None)
-        if isinstance(exc, Exception) and not isinstance(exc, DBAPIError):
-            import psycopg
-
-            if isinstance(exc, psycopg.Error):
-                raise DBAPIError.instance(
-                    query.decode(errors="replace"),
-                    None,
-                    exc,
-                    psycopg.Error,
-                    connection_invalidated=True,
-                ) from exc
+        _lost(conn, query, exc)
         raise
     if observer is not None:
         observer(query, _clock() - started)
     return results
+
+
+def _lost(conn: _Invalidates, query: bytes, exc: BaseException) -> None:
+    """Interrupted, or the connection broke, with ``query`` in flight: nothing more can be said
+    on this connection. Invalidates it; a psycopg error is raised as SQLAlchemy's (the caller
+    raises anything else)."""
+    conn.invalidate(exc if isinstance(exc, Exception) else None)
+    if isinstance(exc, Exception) and not isinstance(exc, DBAPIError):
+        import psycopg
+
+        if isinstance(exc, psycopg.Error):
+            raise DBAPIError.instance(
+                query.decode(errors="replace"),
+                None,
+                exc,
+                psycopg.Error,
+                connection_invalidated=True,
+            ) from exc
 
 
 def _raise(conn: _Invalidates, raw: Any, query: bytes, result: PGresult) -> None:
@@ -393,9 +462,14 @@ def _raise(conn: _Invalidates, raw: Any, query: bytes, result: PGresult) -> None
 
 def _roundtrip(pgconn: Any, query: bytes) -> list[PGresult]:
     """libpq's asynchronous query API, waiting on the socket between steps."""
+    pgconn.send_query(query)
+    return _collect(pgconn)
+
+
+def _collect(pgconn: Any) -> list[PGresult]:
+    """Push a query just sent and read every result it brings, waiting on the socket."""
     from psycopg import OperationalError
 
-    pgconn.send_query(query)
     flush(pgconn)
     results: list[PGresult] = []
     while True:
