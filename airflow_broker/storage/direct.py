@@ -257,17 +257,8 @@ def _autocommitted(
         value, fmt = parameter(a)
         values.append(value)
         formats.append(fmt)
-    pgconn = raw.pgconn
-    started = _clock() if observer is not None else 0.0
-    try:
-        pgconn.send_query_prepared(statement.name.encode(), values, formats)
-        results = _collect(pgconn)
-    except BaseException as exc:
-        _lost(conn, query, exc)
-        raise
-    if observer is not None:
-        observer(query, _clock() - started)
-    return results
+    name = statement.name.encode()
+    return _sent(conn, raw, query, lambda pgconn: pgconn.send_query_prepared(name, values, formats))
 
 
 def _statement_query(statement: Prepared, literals: list[bytes], *, inline: bool) -> bytes:
@@ -417,10 +408,19 @@ def _note_prepared(prepared: set[str], statement: Prepared, results: list[PGresu
 def _results(conn: _Invalidates, raw: Any, query: bytes) -> list[PGresult]:
     """Send ``query`` and return every result, errors included (the server runs nothing of a
     simple query after its first error)."""
+    return _sent(conn, raw, query, lambda pgconn: pgconn.send_query(query))
+
+
+def _sent(
+    conn: _Invalidates, raw: Any, query: bytes, send: Callable[[Any], None]
+) -> list[PGresult]:
+    """``send(pgconn)`` (a query: ``query`` names it) and every result it brings. Interrupted,
+    or the connection broken, with it in flight: the connection is invalidated."""
     pgconn = raw.pgconn
     started = _clock() if observer is not None else 0.0
     try:
-        results = _roundtrip(pgconn, query)
+        send(pgconn)
+        results = _collect(pgconn)
     except BaseException as exc:
         _lost(conn, query, exc)
         raise
@@ -458,12 +458,6 @@ def _raise(conn: _Invalidates, raw: Any, query: bytes, result: PGresult) -> None
     raise DBAPIError.instance(
         query.decode(errors="replace"), None, error, psycopg.Error, connection_invalidated=lost
     ) from error
-
-
-def _roundtrip(pgconn: Any, query: bytes) -> list[PGresult]:
-    """libpq's asynchronous query API, waiting on the socket between steps."""
-    pgconn.send_query(query)
-    return _collect(pgconn)
 
 
 def _collect(pgconn: Any) -> list[PGresult]:
