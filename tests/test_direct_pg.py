@@ -302,6 +302,32 @@ def test_a_committed_statement_is_one_query_and_leaves_the_connection_idle(
     assert second == b"EXECUTE " + one.name.encode() + b" (extended protocol, autocommit)"
 
 
+def test_a_committed_statement_on_a_connection_inside_a_transaction_still_commits(
+    pg_broker: Broker,
+) -> None:
+    """The pool never hands out a connection inside a transaction; if one came, the statement
+    must not run there in the extended protocol, whose Sync would leave it uncommitted."""
+    with pg_broker.engine.begin() as conn:
+        conn.execute(text("CREATE TABLE committed_inside (n int)"))
+    insert = direct.Prepared(
+        "WITH i AS (INSERT INTO committed_inside VALUES ($1) RETURNING n) SELECT n FROM i",
+        ["integer"],
+    )
+    fairy = pg_broker.engine.raw_connection()
+    try:
+        assert direct.execute_committed(fairy, pg_broker.engine, insert, [1]) == [(1,)]
+        fairy.driver_connection.pgconn.exec_(b"BEGIN")
+        assert direct.execute_committed(fairy, pg_broker.engine, insert, [2]) == [(2,)]
+        assert fairy.driver_connection.pgconn.transaction_status == 0  # PQTRANS_IDLE
+    finally:
+        fairy.close()
+    with pg_broker.engine.connect() as conn:
+        assert conn.execute(text("SELECT n FROM committed_inside ORDER BY n")).scalars().all() == [
+            1,
+            2,
+        ]
+
+
 def test_a_committed_statement_that_fails_is_rolled_back_and_raised(pg_broker: Broker) -> None:
     """The error SQLAlchemy would raise; nothing of the transaction stays, and the connection
     goes back to the pool clean (the next one on it works)."""

@@ -194,7 +194,9 @@ def execute_committed(
     for attempt in (1, 2):
         inline = engine in _inline_engines
         prepared: set[str] = info.setdefault("broker_prepared", set())
-        if not inline and statement.name in prepared:
+        # Outside a transaction only: inside one (never, from the pool), Sync would not end it.
+        idle = raw.pgconn.transaction_status == _IDLE
+        if not inline and statement.name in prepared and idle:
             query = b"EXECUTE " + statement.name.encode() + b" (extended protocol, autocommit)"
             results = _autocommitted(fairy, raw, statement, args, query)
             pick = -1
