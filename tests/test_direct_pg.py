@@ -302,17 +302,23 @@ def test_a_committed_statement_is_one_query_and_leaves_the_connection_idle(
     assert second == b"EXECUTE " + one.name.encode() + b" (extended protocol, autocommit)"
 
 
+def _inserting(broker: Broker, table: str, column: str) -> direct.Prepared:
+    """A new table of one column ``n`` (``column``: its type and checks) and a statement that
+    inserts ``$1`` into it and returns it."""
+    with broker.engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {table} (n {column})"))
+    return direct.Prepared(
+        f"WITH i AS (INSERT INTO {table} VALUES ($1) RETURNING n) SELECT n FROM i", ["integer"]
+    )
+
+
 def test_a_committed_statement_on_a_connection_inside_a_transaction_still_commits(
-    pg_broker: Broker,
+    pg_broker: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The pool never hands out a connection inside a transaction; if one came, the statement
-    must not run there in the extended protocol, whose Sync would leave it uncommitted."""
-    with pg_broker.engine.begin() as conn:
-        conn.execute(text("CREATE TABLE committed_inside (n int)"))
-    insert = direct.Prepared(
-        "WITH i AS (INSERT INTO committed_inside VALUES ($1) RETURNING n) SELECT n FROM i",
-        ["integer"],
-    )
+    must not run there in the extended protocol, whose Sync would leave it uncommitted. It
+    takes the simple query, without preparing again what is prepared already."""
+    insert = _inserting(pg_broker, "committed_inside", "int")
     fairy = pg_broker.engine.raw_connection()
     try:
         assert direct.execute_committed(fairy, pg_broker.engine, insert, [1]) == [(1,)]
@@ -321,6 +327,7 @@ def test_a_committed_statement_on_a_connection_inside_a_transaction_still_commit
         assert fairy.driver_connection.pgconn.transaction_status == 0  # PQTRANS_IDLE
     finally:
         fairy.close()
+    assert "prepared statements do not last" not in caplog.text
     with pg_broker.engine.connect() as conn:
         assert conn.execute(text("SELECT n FROM committed_inside ORDER BY n")).scalars().all() == [
             1,
@@ -331,12 +338,7 @@ def test_a_committed_statement_on_a_connection_inside_a_transaction_still_commit
 def test_a_committed_statement_that_fails_is_rolled_back_and_raised(pg_broker: Broker) -> None:
     """The error SQLAlchemy would raise; nothing of the transaction stays, and the connection
     goes back to the pool clean (the next one on it works)."""
-    with pg_broker.engine.begin() as conn:
-        conn.execute(text("CREATE TABLE committed_probe (n int CHECK (n > 0))"))
-    insert = direct.Prepared(
-        "WITH i AS (INSERT INTO committed_probe VALUES ($1) RETURNING n) SELECT n FROM i",
-        ["integer"],
-    )
+    insert = _inserting(pg_broker, "committed_probe", "int CHECK (n > 0)")
     fairy = pg_broker.engine.raw_connection()
     try:
         with pytest.raises(sqlalchemy.exc.IntegrityError) as caught:

@@ -202,7 +202,7 @@ def execute_committed(
             pick = -1
         else:
             literals = [literal(_escaping(info, raw), a) for a in args]
-            new = not inline
+            new = not inline and statement.name not in prepared
             query = _statement_query(statement, literals, inline=inline)
             parts = [statement.prepare] if new else []
             results = _results(fairy, raw, b";".join([*parts, b"BEGIN", query, b"COMMIT"]))
