@@ -10,6 +10,7 @@ its failed attempt counted.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import signal
 import time
@@ -258,6 +259,43 @@ def test_a_reader_killed_as_receive_returns_has_its_attempt_counted(pg_url: str)
         (m,) = receive(broker, SUPPLIER_QUEUE)
         # receive_count counts this hand-out too: three failed ones before it.
         assert m.message_body == b"1" and m.receive_count == kills + 1
+    finally:
+        broker.dispose()
+
+
+def test_the_receive_lease_row_names_the_messages_and_the_server_process(pg_url: str) -> None:
+    """The lease row's values go to the server already in text form (encoded once per
+    connection, or directly): what lands is what a reaper reads back, the queuing orders
+    taken as a JSON array and the reader's server process as pg_stat_activity shows it."""
+    broker = Broker.connect(pg_url)
+    try:
+        declare_pair(broker)
+        h = begin(broker)
+        send(broker, h, NOTE, b"1", b"2", b"3")
+        with broker.engine.connect() as conn:
+            waiting = (
+                conn.execute(
+                    text("SELECT queuing_order FROM broker_message ORDER BY queuing_order")
+                )
+                .scalars()
+                .all()
+            )
+        with broker.transaction() as tx:
+            taken = tx.receive(SUPPLIER_QUEUE, top=3)
+            pid, started = tx.connection.execute(
+                text("SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()")
+            ).one()
+            broker.adapter._side.sync()  # the row was sent without waiting
+            with broker.engine.connect() as other:
+                row = other.execute(
+                    text("SELECT queue_id, pid, backend_start, held FROM broker_receive_lease")
+                ).one()
+            queue_id = tx.connection.execute(
+                text("SELECT queue_id FROM broker_queue WHERE name = :n"), {"n": SUPPLIER_QUEUE}
+            ).scalar_one()
+        assert [m.message_body for m in taken] == [b"1", b"2", b"3"]
+        assert (row.queue_id, row.pid, row.backend_start) == (queue_id, pid, started)
+        assert len(waiting) == 3 and json.loads(row.held) == waiting
     finally:
         broker.dispose()
 

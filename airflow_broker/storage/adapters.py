@@ -35,7 +35,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -198,14 +197,20 @@ class PostgresAdapter:
         listener.close()
 
     # -- leases --------------------------------------------------------------------------------
-    def _backend(self, conn: Connection) -> tuple[int, datetime | None]:
+    def _backend(self, conn: Connection) -> tuple[bytes, bytes | None]:
+        """The server process of ``conn`` (its pid and start), in the text format of the lease
+        row's parameters; asked once per connection and kept in its pool ``info``."""
         info = conn.connection.info
-        if "broker_backend" not in info:
+        backend: tuple[bytes, bytes | None] | None = info.get("broker_backend")
+        if backend is None:
             row = conn.execute(
                 text("SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()")
             ).one()
-            info["broker_backend"] = (row.pid, row.backend_start)
-        backend: tuple[int, datetime | None] = info["broker_backend"]
+            start = row.backend_start
+            backend = info["broker_backend"] = (
+                str(row.pid).encode(),
+                None if start is None else start.isoformat().encode(),
+            )
         return backend
 
     def new_lease_key(self) -> int | None:
@@ -224,10 +229,16 @@ class PostgresAdapter:
         transaction commits). The row is sent on the side connection and not waited for."""
         assert key is not None
         pid, backend_start = self._backend(conn)
-        self._side.send(
-            "INSERT INTO broker_receive_lease (lease_key, queue_id, pid, backend_start, "
-            "started_at, held) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
-            (key, queue_id, pid, backend_start, utcnow(), json.dumps(held)),
+        self._side.send_text(
+            _OPEN_LEASE,
+            (
+                b"%d" % key,
+                b"%d" % queue_id,
+                pid,
+                backend_start,
+                utcnow().isoformat().encode(),
+                _held_text(held),
+            ),
         )
         return ReceiveLease(queue_id=queue_id, key=key, held=list(held))
 
@@ -478,6 +489,19 @@ class SqliteAdapter:
 
     def dispose(self) -> None:
         """Nothing held outside the pool."""
+
+
+#: A receive lease's row, sent on the side connection (see PostgresAdapter.open_lease).
+_OPEN_LEASE = (
+    "INSERT INTO broker_receive_lease (lease_key, queue_id, pid, backend_start, "
+    "started_at, held) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING"
+)
+
+
+def _held_text(held: list[int]) -> bytes:
+    """``held`` (queuing orders) as the JSON array the lease row keeps, written directly (a
+    lease row is written per RECEIVE): ``json.dumps`` of the list, without its spaces."""
+    return b"[" + b",".join(b"%d" % order for order in held) + b"]"
 
 
 def _failed(queue_id: int, held: str | None) -> FailedHold:

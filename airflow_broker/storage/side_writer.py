@@ -67,12 +67,18 @@ class SideWriter:
         """Send ``sql`` (``$1``... for ``params``) to run in a transaction of its own. Each
         statement is prepared once per connection (the server's parse and plan were a quarter
         of a lease row's cost)."""
-        values = [_text(v) for v in params]
+        self.send_text(sql, [_text(v) for v in params])
+
+    def send_text(self, sql: str, values: Sequence[bytes | None]) -> None:
+        """:meth:`send` with every parameter already in PostgreSQL's text format (None: NULL),
+        for a caller that keeps the encoded form of what does not change (a receive lease's
+        server process)."""
         with self._lock:
             for attempt in (1, 2):
                 try:
                     conn = self._connection()
-                    self._drain(conn)
+                    if self._pending:
+                        self._drain(conn)
                     name = self._prepared.get(sql)
                     if name is None:
                         name = self._prepare(conn, sql)
@@ -134,6 +140,9 @@ class SideWriter:
     def _drain(self, conn: Any) -> None:
         """Read the answer of every statement sent; log the ones the server refused."""
         pgconn = conn.pgconn
+        # The answers are usually in the socket already (the server ran the statement while the
+        # caller worked): read them without waiting on the socket first.
+        pgconn.consume_input()
         while self._pending:
             wait_ready(pgconn)
             result = pgconn.get_result()
