@@ -153,13 +153,13 @@ def _install_listeners() -> None:
     direct.observer = observed
     side_send = SideWriter.send
 
-    def side_counted(self: Any, sql: str, params: Any) -> None:
+    def side_counted(self: Any, sql: str, values: Any) -> None:
         if not LOG.active:
-            side_send(self, sql, params)
+            side_send(self, sql, values)
             return
         t0 = time.perf_counter()
         try:
-            side_send(self, sql, params)
+            side_send(self, sql, values)
         finally:
             key = _key(sql) + " [side, not waited for]"
             LOG.sent[key] += 1

@@ -266,12 +266,13 @@ def test_a_reader_killed_as_receive_returns_has_its_attempt_counted(pg_url: str)
 def test_the_receive_lease_row_names_the_messages_and_the_server_process(pg_url: str) -> None:
     """The lease row's values go to the server already in text form (encoded once per
     connection, or directly): what lands is what a reaper reads back, the queuing orders
-    taken as a JSON array and the reader's server process as pg_stat_activity shows it."""
+    taken as a JSON array (a second RECEIVE of the queue in the same transaction adds its own)
+    and the reader's server process as pg_stat_activity shows it."""
     broker = Broker.connect(pg_url)
     try:
         declare_pair(broker)
         h = begin(broker)
-        send(broker, h, NOTE, b"1", b"2", b"3")
+        send(broker, h, NOTE, b"1", b"2", b"3", b"4")
         with broker.engine.connect() as conn:
             waiting = (
                 conn.execute(
@@ -282,6 +283,7 @@ def test_the_receive_lease_row_names_the_messages_and_the_server_process(pg_url:
             )
         with broker.transaction() as tx:
             taken = tx.receive(SUPPLIER_QUEUE, top=3)
+            taken += tx.receive(SUPPLIER_QUEUE, top=1)  # the lease's held list grows
             pid, started = tx.connection.execute(
                 text("SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()")
             ).one()
@@ -293,9 +295,9 @@ def test_the_receive_lease_row_names_the_messages_and_the_server_process(pg_url:
             queue_id = tx.connection.execute(
                 text("SELECT queue_id FROM broker_queue WHERE name = :n"), {"n": SUPPLIER_QUEUE}
             ).scalar_one()
-        assert [m.message_body for m in taken] == [b"1", b"2", b"3"]
+        assert [m.message_body for m in taken] == [b"1", b"2", b"3", b"4"]
         assert (row.queue_id, row.pid, row.backend_start) == (queue_id, pid, started)
-        assert len(waiting) == 3 and json.loads(row.held) == waiting
+        assert len(waiting) == 4 and json.loads(row.held) == waiting
     finally:
         broker.dispose()
 
@@ -379,19 +381,15 @@ def test_a_committed_statement_that_fails_is_rolled_back_and_raised(pg_broker: B
     insert = _inserting(pg_broker, "committed_probe", "int CHECK (n > 0)")
     fairy = pg_broker.engine.raw_connection()
     try:
-        with pytest.raises(sqlalchemy.exc.IntegrityError) as caught:
-            direct.execute_committed(fairy, pg_broker.engine, insert, [-1])
-        assert caught.value.orig.sqlstate == "23514"
-        assert not caught.value.connection_invalidated
-        assert fairy.driver_connection.pgconn.transaction_status == 0
-        assert direct.execute_committed(fairy, pg_broker.engine, insert, [5]) == [(5,)]
-        # Prepared now: the same in the extended protocol, where the server rolls it back.
-        with pytest.raises(sqlalchemy.exc.IntegrityError) as caught:
-            direct.execute_committed(fairy, pg_broker.engine, insert, [-2])
-        assert caught.value.orig.sqlstate == "23514"
-        assert not caught.value.connection_invalidated
-        assert fairy.driver_connection.pgconn.transaction_status == 0
-        assert direct.execute_committed(fairy, pg_broker.engine, insert, [6]) == [(6,)]
+        # First in the simple query that prepares the statement; then, prepared, in the
+        # extended protocol, where the server rolls it back.
+        for bad, good in ((-1, 5), (-2, 6)):
+            with pytest.raises(sqlalchemy.exc.IntegrityError) as caught:
+                direct.execute_committed(fairy, pg_broker.engine, insert, [bad])
+            assert caught.value.orig.sqlstate == "23514"
+            assert not caught.value.connection_invalidated
+            assert fairy.driver_connection.pgconn.transaction_status == 0
+            assert direct.execute_committed(fairy, pg_broker.engine, insert, [good]) == [(good,)]
     finally:
         fairy.close()
     with pg_broker.engine.connect() as conn:

@@ -229,7 +229,7 @@ class PostgresAdapter:
         transaction commits). The row is sent on the side connection and not waited for."""
         assert key is not None
         pid, backend_start = self._backend(conn)
-        self._side.send_text(
+        self._side.send(
             _OPEN_LEASE,
             (
                 b"%d" % key,
@@ -247,7 +247,7 @@ class PostgresAdapter:
         lease.held.extend(held)
         self._side.send(
             "UPDATE broker_receive_lease SET held = $1 WHERE lease_key = $2",
-            (json.dumps(lease.held), lease.key),
+            (_held_text(lease.held), b"%d" % lease.key),
         )
 
     def leases_committing(self, conn: Connection, leases: list[ReceiveLease]) -> None:

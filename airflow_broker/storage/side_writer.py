@@ -23,23 +23,11 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from typing import Any
 
 from airflow_broker.storage.direct import COMMAND_OK, CONNECTION_OK, flush, wait_ready
 
 log = logging.getLogger(__name__)
-
-
-def _text(value: Any) -> bytes | None:
-    """A parameter in PostgreSQL's text format."""
-    if value is None:
-        return None
-    if isinstance(value, datetime):
-        return value.isoformat().encode()
-    if isinstance(value, bool):
-        return b"t" if value else b"f"
-    return str(value).encode()
 
 
 class SideWriter:
@@ -63,16 +51,12 @@ class SideWriter:
         #: over the parent's socket), only kept from the garbage collector
         self._inherited: list[Any] = []
 
-    def send(self, sql: str, params: Sequence[Any]) -> None:
-        """Send ``sql`` (``$1``... for ``params``) to run in a transaction of its own. Each
-        statement is prepared once per connection (the server's parse and plan were a quarter
-        of a lease row's cost)."""
-        self.send_text(sql, [_text(v) for v in params])
-
-    def send_text(self, sql: str, values: Sequence[bytes | None]) -> None:
-        """:meth:`send` with every parameter already in PostgreSQL's text format (None: NULL),
-        for a caller that keeps the encoded form of what does not change (a receive lease's
-        server process)."""
+    def send(self, sql: str, values: Sequence[bytes | None]) -> None:
+        """Send ``sql`` (``$1``... for ``values``, each already in PostgreSQL's text format;
+        None is NULL) to run in a transaction of its own. Each statement is prepared once per
+        connection (the server's parse and plan were a quarter of a lease row's cost). The
+        caller encodes the values: what does not change (a receive lease's server process) is
+        encoded once, not on every RECEIVE."""
         with self._lock:
             for attempt in (1, 2):
                 try:
