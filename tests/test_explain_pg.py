@@ -294,6 +294,51 @@ def test_claim_plan_survives_statistics_taken_while_the_queue_was_empty(pg_broke
     assert ready_reads == [1], ready_reads
 
 
+def _seq_scans_of_messages(tx: Any) -> int:
+    """Sequential scans of broker_message by ``tx``'s own transaction so far (the server's
+    per-transaction counters, read on the transaction's connection)."""
+    return int(
+        tx.connection.execute(
+            text("SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = 'broker_message'")
+        ).scalar_one()
+    )
+
+
+def test_a_readers_claim_planned_on_a_small_queue_uses_indexes_after_a_burst(
+    pg_broker: Broker,
+) -> None:
+    """A reader's connection plans its claim once and keeps that plan until the statistics
+    change. Planned while the queue was small and freshly analyzed (autovacuum's usual moment),
+    it read the whole queue by sequential scans once a burst filled it: the claim is planned
+    with sequential scans off (``direct.Prepared(index_scans=True)``)."""
+    with pg_broker.definitions() as d:
+        d.create_queue("burst_q")
+        d.create_service("//burst/s", queue="burst_q", contracts=["DEFAULT"])
+    with pg_broker.transaction() as tx:
+        handles = [tx.begin_dialog("//burst/s", "//burst/s") for _ in range(50)]
+        tx.send(handles, body=b"x")
+    autocommit = pg_broker.engine.execution_options(isolation_level="AUTOCOMMIT")
+    with autocommit.connect() as conn:
+        conn.execute(text("VACUUM ANALYZE broker_message"))
+    # More than five claims: the server settles on the statement's generic plan.
+    tx = pg_broker.transaction()
+    assert len(tx.receive("burst_q", top=1)) == 1
+    for _ in range(9):
+        tx, got = tx.commit_and_receive("burst_q", top=1)
+        assert len(got) == 1
+    tx.commit()
+    with pg_broker.transaction() as sender:  # the burst, with no ANALYZE after it
+        for _ in range(60):
+            sender.send(handles, body=b"y")
+    tx = pg_broker.transaction()
+    assert len(tx.receive("burst_q", top=1)) == 1  # BEGIN and the claim in one query
+    assert _seq_scans_of_messages(tx) == 0
+    tx, got = tx.commit_and_receive("burst_q", top=1)  # COMMIT; BEGIN; claim in one query
+    assert len(got) == 1
+    assert _seq_scans_of_messages(tx) == 0
+    tx.commit()
+
+
 def _two_groups(broker: Broker, queue: str, first: int, second: int) -> tuple[Any, Any]:
     """A queue whose oldest ``first`` ready messages are in one conversation group (10 dialogs)
     and the next ``second`` in another (10 more); returns the two group ids."""

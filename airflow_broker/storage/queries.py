@@ -301,7 +301,8 @@ def claim_prepared(
         return f"${names.index(name) + 1}"
 
     numbered = _BOUND_NAME.sub(number, sql)
-    prepared = direct.Prepared(numbered, [_CLAIM_PARAM_TYPES[n] for n in names])
+    # Planned with index scans, whatever the queue's size when it is planned (direct.Prepared).
+    prepared = direct.Prepared(numbered, [_CLAIM_PARAM_TYPES[n] for n in names], index_scans=True)
     return prepared, tuple(names)
 
 
