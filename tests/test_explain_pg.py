@@ -339,6 +339,55 @@ def test_a_readers_claim_planned_on_a_small_queue_uses_indexes_after_a_burst(
     tx.commit()
 
 
+def test_send_does_not_read_a_grown_transmission_queue_by_sequential_scans(
+    pg_broker: Broker,
+) -> None:
+    """SEND's function checks that the conversation has nothing waiting to leave. Its plan,
+    made while the transmission queue was small, read that whole queue on every SEND once a far
+    broker fell behind: the SEND functions plan with sequential scans off (migration 0022)."""
+    with pg_broker.definitions() as d:
+        d.create_queue("tq_q")
+        d.create_service("//tq/s", queue="tq_q", contracts=["DEFAULT"])
+    with pg_broker.transaction() as tx:  # conversing: both endpoints exist (SEND's fast path)
+        handles = [tx.begin_dialog("//tq/s", "//tq/s") for _ in range(200)]
+        tx.send(handles, body=b"hello")
+    while True:
+        with pg_broker.transaction() as tx:
+            if not tx.receive("tq_q"):
+                break
+    autocommit = pg_broker.engine.execution_options(isolation_level="AUTOCOMMIT")
+    with autocommit.connect() as conn:
+        conn.execute(text("VACUUM ANALYZE broker_transmission_queue"))
+    tx = pg_broker.transaction()
+    tx.send(handles[0], body=b"planned while the transmission queue is empty")
+    # Messages of 100 other dialogs waiting to leave (rows as the engine writes them, copied),
+    # committed meanwhile, with no ANALYZE after them.
+    with autocommit.connect() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO broker_transmission_queue (conversation_handle, conversation_id, "
+                "is_initiator, from_service_name, from_broker_instance, to_service_name, "
+                "service_contract_name, message_type_name, message_sequence_number, priority, "
+                "validation, enqueued_at) "
+                "SELECT h, gen_random_uuid(), true, '//tq/s', 'here', '//far/s', 'DEFAULT', "
+                "'DEFAULT', g, 5, 'N', now() "
+                "FROM unnest(CAST(:waiting AS uuid[])) AS h, generate_series(1, 100) AS g"
+            ),
+            {"waiting": handles[100:]},
+        )
+    tx.send(handles[1], body=b"after 10,000 messages queued to leave")
+    scans = tx.connection.execute(
+        text(
+            "SELECT seq_scan FROM pg_stat_xact_user_tables "
+            "WHERE relname = 'broker_transmission_queue'"
+        )
+    ).scalar_one()
+    assert scans == 0
+    tx.commit()
+    with pg_broker.transaction() as rx:
+        assert len(rx.receive("tq_q")) >= 1
+
+
 def _two_groups(broker: Broker, queue: str, first: int, second: int) -> tuple[Any, Any]:
     """A queue whose oldest ``first`` ready messages are in one conversation group (10 dialogs)
     and the next ``second`` in another (10 more); returns the two group ids."""
