@@ -98,7 +98,10 @@ class Prepared:
     __slots__ = ("after", "before", "name", "prepare", "sql", "types")
 
     def __init__(self, sql: str, types: Sequence[str], *, index_scans: bool = False) -> None:
-        digest = hashlib.sha1(f"{','.join(types)}|{sql}".encode(), usedforsecurity=False)
+        # The plan settings are part of the name: the server keeps one plan per name, made
+        # under the settings of the query that planned it.
+        key = f"{','.join(types)}|{sql}" + ("|index_scans" if index_scans else "")
+        digest = hashlib.sha1(key.encode(), usedforsecurity=False)
         self.name = f"broker_{digest.hexdigest()[:16]}"
         self.sql = sql
         self.types = tuple(types)
