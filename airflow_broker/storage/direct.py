@@ -110,6 +110,12 @@ class Prepared:
         self.before: tuple[bytes, ...] = (_SEQSCAN_OFF,) if index_scans else ()
         self.after: tuple[bytes, ...] = (_SEQSCAN_DEFAULT,) if index_scans else ()
 
+    def around(self, query: bytes) -> list[bytes]:
+        """``query`` (this statement's EXECUTE, or the statement written whole) with what is
+        sent before and after it; its result is then ``len(self.after)`` from the end of
+        theirs."""
+        return [*self.before, query, *self.after]
+
     def inline(self, literals: Sequence[bytes]) -> bytes:
         """The statement with its parameters written in (for a server that keeps no prepared
         statements between transactions)."""
@@ -173,7 +179,7 @@ def execute(
     parts = [statement.prepare] if new else []
     if begin:
         parts.append(b"BEGIN")
-    parts += [*statement.before, query, *statement.after]
+    parts += statement.around(query)
     tail = [b"COMMIT"] if commit else []
     pick = -1 - len(statement.after) - len(tail)
     try:
@@ -189,9 +195,7 @@ def execute(
         _stop_preparing(conn.engine, prepared, exc.orig)
         conn.rollback()
         conn.begin()
-        inlined = b";".join(
-            [b"BEGIN", *statement.before, statement.inline(literals), *statement.after, *tail]
-        )
+        inlined = b";".join([b"BEGIN", *statement.around(statement.inline(literals)), *tail])
         result = _run(conn, raw, inlined, pick=pick)
     return _rows(info, raw, result)
 
@@ -227,8 +231,8 @@ def execute_committed(
             new = not inline and statement.name not in prepared
             query = _statement_query(statement, literals, inline=inline)
             parts = [statement.prepare] if new else []
-            run = [b"BEGIN", *statement.before, query, *statement.after, b"COMMIT"]
-            results = _results(fairy, raw, b";".join([*parts, *run]))
+            run = [*parts, b"BEGIN", *statement.around(query), b"COMMIT"]
+            results = _results(fairy, raw, b";".join(run))
             if new:
                 _note_prepared(prepared, statement, results)
             pick = -2 - len(statement.after)
@@ -384,7 +388,7 @@ def commit_then_execute(
     raw: Any = fairy.driver_connection
     literals = [literal(fairy.info["broker_escaping"], a) for a in args]
     execute = b"EXECUTE " + statement.name.encode() + b"(" + b",".join(literals) + b")"
-    query = b";".join([b"COMMIT", b"BEGIN", *statement.before, execute, *statement.after])
+    query = b";".join([b"COMMIT", b"BEGIN", *statement.around(execute)])
     results = _results(conn, raw, query)
     done = results[0]
     if done.status not in _SUCCESS:
