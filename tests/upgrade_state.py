@@ -3,8 +3,9 @@ wrote it, and the checks that all of it carries on after an upgrade to the newes
 (``tests/test_upgrade_in_flight.py``).
 
 :func:`build_at` creates the broker tables at an old revision with Alembic. :func:`fill` writes,
-in plain SQL against the tables as they are at that revision (no code of today), what a broker
-of that time held in flight:
+in plain SQL against the tables as they are at that revision, what a broker of that time held
+in flight (the only code of today it calls is the identity's fingerprint, which migration 0009
+calls too):
 
 - definitions: message types (one validated as JSON), a contract, queues (one disabled), services,
   a route to another broker, a broker priority, the broker's identity;
@@ -16,8 +17,8 @@ of that time held in flight:
   messages in the transmission queue;
 - a dialog to a local service whose queue is disabled, its message in the transmission queue;
 - a receive lease of a reader that died holding messages (PostgreSQL: a row of a backend that
-  is gone; SQLite: an unlocked lease file, in the bare-queue-id form of that time); from 0003 on
-  also a committed one (its commit marker written).
+  is gone; SQLite: an unlocked lease file, in the bare-queue-id form of that time); on PostgreSQL
+  from 0003 on also the row of a committed one (its commit marker written).
 
 :func:`check_carries_on` then uses today's API only: RECEIVE gets every message once and in
 order, the due timer fires and the other waits, the lifetime expires, the dead reader counts as
@@ -362,9 +363,7 @@ class OldBroker:
         self._enqueue(far, END_DIALOG, seq, None, "E")
         self._set(far, state="DI")
 
-    def send_waiting(
-        self, sender: uuid.UUID, value: Any, reason: str, *, due: datetime, revision: str
-    ) -> None:
+    def send_waiting(self, sender: uuid.UUID, value: Any, reason: str, *, due: datetime) -> None:
         """SEND whose message went to the transmission queue (``reason``), due at ``due``."""
         seq = self._take_seq(sender)
         e = self.endpoints[sender]
@@ -502,13 +501,13 @@ def fill(url: str, revision: str, far_instance: str) -> OldState:
             d = old.begin_dialog(INITIATOR, INIT_Q, FAR, DEFAULT)
             remote = Outbound(d, [{"far": n} for n in range(3)])
             for value in remote.to_target:
-                old.send_waiting(d, value, reason, due=due, revision=revision)
+                old.send_waiting(d, value, reason, due=due)
             e = old.begin_dialog(INITIATOR, INIT_Q, FAR, DEFAULT, broker_instance=far_instance)
             remote_by_instance = Outbound(e, [{"far_instance": n} for n in range(2)])
             if revision >= "0004":
                 reason = f"waiting for delivery to broker instance {far_instance}"
             for value in remote_by_instance.to_target:
-                old.send_waiting(e, value, reason, due=due, revision=revision)
+                old.send_waiting(e, value, reason, due=due)
 
             # A dialog to a local service whose queue is disabled.
             f = old.begin_dialog(INITIATOR, INIT_Q, HELD, DEFAULT)
@@ -518,7 +517,6 @@ def fill(url: str, revision: str, far_instance: str) -> OldState:
                 held.to_target[0],
                 f"the target queue {HELD_Q!r} is disabled",
                 due=now + timedelta(seconds=1),
-                revision=revision,
             )
 
             # Receive leases: a reader that died holding messages of the target queue, and (with
@@ -630,6 +628,9 @@ def _check(near: Broker, url: str, far_url: str, old: OldState) -> None:
     timer = aware(endpoint(near, t.target).timer_due_at)
     assert timer is not None and abs((timer - old.future_timer).total_seconds()) < 1
 
+    # The receive leases came through the upgrade (the dead reader's, and a committed one's).
+    assert _receive_leases(near, url) == (2 if old.committed_lease else 1)
+
     # -- due work: the due timer fires, the lifetime expires, the dead reader counts --
     report = near.run_due()
     assert report.timers_fired == 1
@@ -639,7 +640,7 @@ def _check(near: Broker, url: str, far_url: str, old: OldState) -> None:
     status = {q.name: q for q in near.queue_status()}
     assert status[TARGET_Q].rollback_count == 1
     assert status[TARGET_Q].status
-    _no_receive_leases_left(near, url)
+    assert _receive_leases(near, url) == 0
     assert endpoint(near, t.target).timer_due_at is not None  # not due: still set
 
     # -- RECEIVE: every message once, in order --
@@ -747,15 +748,15 @@ def endpoint(broker: Broker, handle: uuid.UUID) -> ConversationEndpoint:
         return tx.conversation(handle)
 
 
-def _no_receive_leases_left(near: Broker, url: str) -> None:
-    with near.engine.connect() as conn:
-        if conn.dialect.name == "postgresql":
-            left = conn.execute(text("SELECT count(*) FROM broker_receive_lease")).scalar()
-            assert left == 0
-            marks = conn.execute(text("SELECT count(*) FROM broker_receive_commit")).scalar()
-            assert marks == 0
-        else:
-            database = make_url(url).database
-            assert database
-            leases = Path(database).resolve().with_name(Path(database).name + "-leases")
-            assert list(leases.glob("*.lease")) == []
+def _receive_leases(near: Broker, url: str) -> int:
+    """Receive leases on record: PostgreSQL's rows (and their commit markers), SQLite's files."""
+    if near.engine.dialect.name == "postgresql":
+        with near.engine.connect() as conn:
+            rows = conn.execute(text("SELECT count(*) FROM broker_receive_lease")).scalar_one()
+            marks = conn.execute(text("SELECT count(*) FROM broker_receive_commit")).scalar_one()
+        assert marks <= rows
+        return int(rows)
+    database = make_url(url).database
+    assert database
+    leases = Path(database).resolve().with_name(Path(database).name + "-leases")
+    return len(list(leases.glob("*.lease")))
