@@ -5,6 +5,11 @@ PostgreSQL is required, never skipped: ``BROKER_TEST_POSTGRES_URL`` names the se
 (default ``postgresql+psycopg://postgres@127.0.0.1:5432/postgres``); a missing server fails the
 run. Each test gets a fresh database cloned from a migrated template (``CREATE DATABASE ...
 TEMPLATE``), which costs a few milliseconds instead of a migration.
+
+With ``BROKER_TEST_VIA_PGBOUNCER=1`` each test process starts a PgBouncer in transaction mode
+(tests/support/pgbouncer.py) and every test database's URL leads through it; databases are still
+created and dropped on the server directly. ``make test`` runs the PostgreSQL-facing files that
+way a second time (see the Makefile).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from helpers import Recorder
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
+from support.pgbouncer import PgBouncer
 
 from airflow_broker import Broker
 from airflow_broker.storage.identity import record_fingerprint
@@ -33,6 +39,7 @@ POSTGRES_URL = os.environ.get(
     "BROKER_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
 TEMPLATE_DB = f"broker_test_template_{os.getpid()}"
+VIA_PGBOUNCER = os.environ.get("BROKER_TEST_VIA_PGBOUNCER", "") not in ("", "0")
 
 
 @pytest.fixture(autouse=True)
@@ -76,13 +83,15 @@ def _admin_url() -> URL:
 
 
 class PostgresServer:
-    """Creates and drops throw-away databases on the test server."""
+    """Creates and drops throw-away databases on the test server; with ``pgbouncer`` the URLs it
+    hands out lead through that pooler."""
 
-    def __init__(self) -> None:
+    def __init__(self, pgbouncer: PgBouncer | None = None) -> None:
         self.admin_url = _admin_url()
         self._admin = create_engine(self.admin_url, isolation_level="AUTOCOMMIT", pool_size=1)
         self._template_ready = False
         self._created: list[str] = []
+        self.pgbouncer = pgbouncer
 
     def check(self) -> None:
         try:
@@ -96,6 +105,13 @@ class PostgresServer:
             ) from exc
 
     def url_for(self, dbname: str) -> str:
+        """The URL tests use for ``dbname``: through the PgBouncer when there is one."""
+        if self.pgbouncer is not None:
+            return self.pgbouncer.url(dbname, self.admin_url.username or "postgres")
+        return self.direct_url_for(dbname)
+
+    def direct_url_for(self, dbname: str) -> str:
+        """``dbname`` on the server itself, past any pooler."""
         return self.admin_url.set(database=dbname).render_as_string(hide_password=False)
 
     def _drop(self, conn, dbname: str) -> None:  # type: ignore[no-untyped-def]
@@ -106,7 +122,9 @@ class PostgresServer:
             with self._admin.connect() as conn:
                 self._drop(conn, TEMPLATE_DB)
                 conn.execute(text(f'CREATE DATABASE "{TEMPLATE_DB}"'))
-            b = Broker.connect(self.url_for(TEMPLATE_DB))
+            # Directly: a pooler would keep server connections to the template open, and
+            # CREATE DATABASE ... TEMPLATE refuses a source with other sessions.
+            b = Broker.connect(self.direct_url_for(TEMPLATE_DB))
             b.migrate()
             b.dispose()
             self._template_ready = True
@@ -157,8 +175,18 @@ class PostgresServer:
 
 
 @pytest.fixture(scope="session")
-def postgres_server() -> Iterator[PostgresServer]:
-    server = PostgresServer()
+def pgbouncer() -> Iterator[PgBouncer]:
+    """A PgBouncer in transaction mode in front of the test server, for this test process."""
+    admin = _admin_url()
+    bouncer = PgBouncer(admin.host or "127.0.0.1", admin.port or 5432).start()
+    yield bouncer
+    bouncer.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server(request: pytest.FixtureRequest) -> Iterator[PostgresServer]:
+    bouncer = request.getfixturevalue("pgbouncer") if VIA_PGBOUNCER else None
+    server = PostgresServer(bouncer)
     server.check()
     yield server
     server.drop_all()

@@ -9,11 +9,12 @@ it as a rollback). Each engine has an adapter here.
 PostgreSQL
     Waits LISTEN on a per-queue channel; a trigger on ``broker_message`` NOTIFYs it whenever ready
     messages are written (migration 0002), so a waiter wakes within milliseconds of the commit.
-    A receiving transaction registers a lease (queue, server backend pid) through a side
-    connection (``storage.side_writer``: sent, not waited for), so the row is visible at once;
-    the RECEIVE statement itself writes the lease's commit marker, visible only if the
-    transaction commits. A lease whose backend no longer
-    exists and that has no marker belongs to a reader that died without committing.
+    A receiving transaction's RECEIVE statement takes a transaction-level advisory lock on its
+    lease's key and writes the lease's commit marker, visible only if the transaction commits;
+    it registers the lease (queue, messages held) through a side connection
+    (``storage.side_writer``: sent, not waited for), so the row is visible at once. A lease
+    whose lock is free and that has no marker belongs to a reader that died without
+    committing. The lock goes with the transaction, however it ends, through a pooler too.
 
 SQLite
     A broker transaction takes the single write lock at its first statement (``BEGIN IMMEDIATE``).
@@ -38,9 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from sqlalchemy import event, text
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy import event, make_url, text
+from sqlalchemy.engine import URL, Connection, Engine
 
+from airflow_broker.storage import direct, pooler
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.roles import RoleSession
 from airflow_broker.storage.side_writer import SideWriter
@@ -119,25 +121,65 @@ TRANSMIT_CHANNEL = "airflow_broker_transmit"
 
 
 class PostgresAdapter:
-    """LISTEN/NOTIFY wake-ups and backend-pid leases."""
+    """LISTEN/NOTIFY wake-ups and receive leases held by transaction-level advisory locks.
+
+    :param pooled: a pooler in transaction mode sits in front of the server (None: find out on
+        the first connection, :mod:`~airflow_broker.storage.pooler`).
+    :param listen_url: a direct URL of the same database for LISTEN behind a pooler.
+    """
 
     dialect = "postgresql"
+    #: Behind a pooler with no ``listen_url``: how often a waiting RECEIVE looks again.
+    POLL_SECONDS = 0.2
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self, engine: Engine, *, pooled: bool | None = None, listen_url: str | None = None
+    ) -> None:
         self._engine = engine
         self._lock = threading.Lock()
         self._idle_listeners: list[Any] = []
+        self._pooled = pooled
+        self._listen_params: dict[str, Any] | None = None
+        if listen_url is not None:
+            self._listen_params = _connect_params(create_engine_url(listen_url), engine)
         #: receive-lease rows are written here, outside the readers' transactions
-        self._side = SideWriter(self._raw_connect)
+        self._side = SideWriter(self._raw_connect, pooled=lambda: self.pooled)
         #: owner or client role (storage.roles): a client role's connections see the views
         self.roles = RoleSession()
         event.listen(engine, "connect", self._on_connect)
+        event.listen(engine, "connect", self._find_pooler)
         event.listen(engine, "connect", self.roles.on_connect)
+        if pooled:
+            direct.stop_preparing(engine)
 
     @property
     def client_role(self) -> str | None:
         """The role's name when it is a client role (not the owner), else None."""
         return self.roles.client
+
+    @property
+    def pooled(self) -> bool:
+        """Whether a connection pooler in transaction mode sits in front of the server (decided
+        on the engine's first connection; asking opens one if none has been yet)."""
+        if self._pooled is None:
+            with self._engine.connect():
+                pass
+        return bool(self._pooled)
+
+    @property
+    def listens(self) -> bool:
+        """Whether waits LISTEN (a direct connection to the server is at hand) or poll."""
+        return self._listen_params is not None or not self.pooled
+
+    def session_params(self) -> dict[str, Any] | None:
+        """psycopg connection parameters for a connection that keeps a session of its own
+        (LISTEN): ``listen_url``'s, else the engine's when no pooler is in the way; None behind
+        a pooler with no ``listen_url`` (then poll)."""
+        if self._listen_params is not None:
+            return dict(self._listen_params)
+        if self.pooled:
+            return None
+        return _connect_params(self._engine.url, self._engine)
 
     @staticmethod
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -148,12 +190,36 @@ class PostgresAdapter:
 
         dbapi_conn.adapters.register_dumper(list, ListBinaryDumper)
 
+    def _find_pooler(self, dbapi_conn: Any, _record: Any) -> None:
+        """On the engine's first connection: is a pooler in the way (storage.pooler)?"""
+        if self._pooled is not None:
+            return
+        found = pooler.inspect(dbapi_conn)
+        with self._lock:
+            if self._pooled is not None:
+                return
+            self._pooled = found.pooled
+        if found.pooled:
+            direct.stop_preparing(self._engine)
+            where = self._engine.url.render_as_string(hide_password=True)
+            log.info(
+                "%s: a connection pooler sits in front of PostgreSQL (%s). Working as behind "
+                "PgBouncer in transaction mode: statements are sent whole, not prepared; %s; "
+                "the transmitter's lock is held by a transaction. (Broker.connect(..., "
+                "pooled=False) if this is a direct connection through an address translation.)",
+                where,
+                found.detail,
+                "waits LISTEN on listen_url"
+                if self._listen_params is not None
+                else f"waiting RECEIVEs and activation poll every {self.POLL_SECONDS:g} s "
+                "instead of LISTEN (give listen_url, a direct URL, to LISTEN)",
+            )
+
     # -- raw psycopg connections outside SQLAlchemy's pool ------------------------------------
     def _raw_connect(self, **kwargs: Any) -> Any:
         import psycopg
 
-        _args, cparams = self._engine.dialect.create_connect_args(self._engine.url)
-        params: dict[str, Any] = {k: v for k, v in cparams.items() if k != "client_encoding"}
+        params = _connect_params(self._engine.url, self._engine)
         params.update(kwargs)
         conn = psycopg.connect(autocommit=True, **params)
         self.roles.on_raw_connect(conn)
@@ -161,30 +227,60 @@ class PostgresAdapter:
 
     # -- waiting: LISTEN; a trigger on broker_message notifies (migration 0002) ----------
     def start_wait(self, conn: Connection, queue_id: int, *, can_release: bool) -> WaitState:
+        params = self.session_params()
+        if params is None:
+            return WaitState(queue_id=queue_id)  # behind a pooler: wait() polls
         with self._lock:
-            listener = self._idle_listeners.pop() if self._idle_listeners else None
-        if listener is None or listener.closed:
-            listener = self._raw_connect()
-            listener.info_channels = set()
+            listener: Any = self._idle_listeners.pop() if self._idle_listeners else None
         ch = channel(queue_id)
-        if ch not in listener.info_channels:
-            listener.execute(f'LISTEN "{ch}"')  # the channel name is ours, never user text
-            listener.info_channels.add(ch)
-        # Forget what arrived while the listener sat idle: the caller re-checks the queue next.
-        for _ in listener.notifies(timeout=0):
-            pass
+        try:
+            if listener is None or listener.closed:
+                import psycopg
+
+                listener = psycopg.connect(autocommit=True, **params)
+                self.roles.on_raw_connect(listener)
+                listener.info_channels = set()
+            if ch not in listener.info_channels:
+                listener.execute(f'LISTEN "{ch}"')  # the channel name is ours, never user text
+                listener.info_channels.add(ch)
+            # Forget what arrived while the listener sat idle: the caller looks next.
+            for _ in listener.notifies(timeout=0):
+                pass
+        except Exception as exc:
+            # The server ended an idle listener (a restart, pg_terminate_backend), or cannot
+            # be reached for one: this wait polls; the next one connects afresh.
+            log.warning("cannot LISTEN on %s (%s): polling for this wait", ch, exc)
+            self._close_quietly(listener)
+            return WaitState(queue_id=queue_id)
         return WaitState(queue_id=queue_id, listener=listener)
 
+    @staticmethod
+    def _close_quietly(conn: Any) -> None:
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
     def wait(self, conn: Connection, state: WaitState, timeout: float) -> None:
+        if state.listener is None:
+            # No session to LISTEN in: the caller looks again after a short sleep. Its
+            # transaction is idle meanwhile, and the pooler gives its server to others.
+            time.sleep(min(max(timeout, 0.0), self.POLL_SECONDS))
+            return
         want = channel(state.queue_id)
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            for note in state.listener.notifies(timeout=remaining, stop_after=1):
-                if note.channel == want:
-                    return
+            try:
+                notes = list(state.listener.notifies(timeout=remaining, stop_after=1))
+            except Exception as exc:
+                log.warning("LISTEN on %s ended (%s): polling for this wait", want, exc)
+                self._close_quietly(state.listener)
+                state.listener = None
+                return
+            if any(note.channel == want for note in notes):
+                return
 
     def end_wait(self, state: WaitState) -> None:
         listener = state.listener
@@ -273,7 +369,13 @@ class PostgresAdapter:
 
     def reap_dead_leases(self, conn: Connection) -> list[FailedHold]:
         """Clear leases of committed transactions; return the queues of those whose reader died
-        (backend gone, no commit marker): each one is a rolled-back receive."""
+        (its lock free, no commit marker): each one is a rolled-back receive.
+
+        Two statements, in this order: the first takes the lock of every lease that has no
+        marker and whose lock is free (its transaction has ended); the second, with a snapshot
+        taken after, deletes those that still have no marker. A transaction releases its locks
+        only once its commit is visible, so a reader that committed as the first statement ran
+        is seen to have committed by the second, and is not counted."""
         conn.execute(
             text(
                 "WITH done AS (DELETE FROM broker_receive_commit c "
@@ -282,34 +384,44 @@ class PostgresAdapter:
                 "DELETE FROM broker_receive_lease WHERE lease_key IN (SELECT lease_key FROM done)"
             )
         )
+        ended = [
+            row.lease_key
+            for row in conn.execute(
+                text(
+                    "SELECT l.lease_key FROM broker_receive_lease l"
+                    " WHERE NOT EXISTS (SELECT 1 FROM broker_receive_commit c"
+                    "                   WHERE c.lease_key = l.lease_key)"
+                    f" AND {_LEASE_ENDED}"
+                )
+            )
+        ]
+        if not ended:
+            return []
         rows = conn.execute(
             text(
-                "DELETE FROM broker_receive_lease l WHERE NOT EXISTS ("
-                " SELECT 1 FROM pg_stat_activity a WHERE a.pid = l.pid"
-                " AND (a.backend_start IS NULL OR l.backend_start IS NULL"
-                "      OR a.backend_start = l.backend_start))"
+                "DELETE FROM broker_receive_lease l WHERE l.lease_key = ANY(:keys)"
                 " AND NOT EXISTS (SELECT 1 FROM broker_receive_commit c"
                 "                 WHERE c.lease_key = l.lease_key)"
                 " RETURNING queue_id, held"
-            )
+            ),
+            {"keys": ended},
         )
         return [_failed(r.queue_id, r.held) for r in rows]
 
     def dead_leases(self, conn: Connection) -> list[tuple[str, int]]:
         """Read-only: (lease, queue id) of leases whose reader died holding messages and that
-        no due-work pass has counted yet (what :meth:`reap_dead_leases` would count)."""
+        no due-work pass has counted yet (what :meth:`reap_dead_leases` would count). Reads
+        the locks in ``pg_locks`` rather than taking them."""
         rows = conn.execute(
             text(
                 "SELECT l.lease_key, l.queue_id, l.pid FROM broker_receive_lease l"
-                " WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = l.pid"
-                "  AND (a.backend_start IS NULL OR l.backend_start IS NULL"
-                "       OR a.backend_start = l.backend_start))"
+                f" WHERE {_LEASE_UNLOCKED}"
                 " AND NOT EXISTS (SELECT 1 FROM broker_receive_commit c"
                 "                 WHERE c.lease_key = l.lease_key)"
                 " ORDER BY l.lease_key"
             )
         )
-        return [(f"lease {r.lease_key} of backend {r.pid}", r.queue_id) for r in rows]
+        return [(f"lease {r.lease_key} (server process {r.pid})", r.queue_id) for r in rows]
 
     def dispose(self) -> None:
         self._side.close()
@@ -494,8 +606,43 @@ class SqliteAdapter:
 #: A receive lease's row, sent on the side connection (see PostgresAdapter.open_lease).
 _OPEN_LEASE = (
     "INSERT INTO broker_receive_lease (lease_key, queue_id, pid, backend_start, "
-    "started_at, held) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING"
+    "started_at, held, xact_lock) VALUES ($1, $2, $3, $4, $5, $6, true) ON CONFLICT DO NOTHING"
 )
+
+#: A lease row ``l`` whose server process is gone (rows written before migration 0023).
+_BACKEND_GONE = (
+    "NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = l.pid"
+    " AND (a.backend_start IS NULL OR l.backend_start IS NULL"
+    "      OR a.backend_start = l.backend_start))"
+)
+#: A lease row ``l`` whose transaction has ended, its lock taken by the caller's transaction
+#: (the receiving transaction holds an advisory lock on its key: queries.claim_statement).
+_LEASE_ENDED = (
+    f"CASE WHEN l.xact_lock THEN pg_try_advisory_xact_lock(l.lease_key) ELSE {_BACKEND_GONE} END"
+)
+#: The same, read from pg_locks without taking anything (a bigint key is classid, objid).
+_LEASE_UNLOCKED = (
+    "CASE WHEN l.xact_lock THEN NOT EXISTS (SELECT 1 FROM pg_locks k"
+    " WHERE k.locktype = 'advisory' AND k.objsubid = 1 AND k.granted"
+    " AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    " AND k.classid = CAST(l.lease_key >> 32 AS oid)"
+    " AND k.objid = CAST(l.lease_key & 4294967295 AS oid))"
+    f" ELSE {_BACKEND_GONE} END"
+)
+
+
+def create_engine_url(url: str) -> URL:
+    """``url`` parsed, ``postgresql://`` meaning psycopg 3 as in ``Broker.connect``."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def _connect_params(url: URL, engine: Engine) -> dict[str, Any]:
+    """psycopg's keyword arguments for ``url`` as ``engine``'s dialect reads it."""
+    _args, cparams = engine.dialect.create_connect_args(url)
+    return {k: v for k, v in cparams.items() if k != "client_encoding"}
 
 
 def _held_text(held: list[int]) -> bytes:
@@ -522,7 +669,9 @@ def _lease_file(content: str) -> FailedHold:
     return FailedHold(int(content), ())
 
 
-def adapter_for(engine: Engine) -> PostgresAdapter | SqliteAdapter:
+def adapter_for(
+    engine: Engine, *, pooled: bool | None = None, listen_url: str | None = None
+) -> PostgresAdapter | SqliteAdapter:
     name = engine.dialect.name
     if name == "postgresql":
         if engine.dialect.driver != "psycopg":
@@ -530,7 +679,7 @@ def adapter_for(engine: Engine) -> PostgresAdapter | SqliteAdapter:
                 "PostgreSQL broker databases need the psycopg (3) driver, not "
                 f"{engine.dialect.driver!r}: use a postgresql+psycopg:// URL"
             )
-        return PostgresAdapter(engine)
+        return PostgresAdapter(engine, pooled=pooled, listen_url=listen_url)
     if name == "sqlite":
         return SqliteAdapter(engine)
     raise ValueError(f"unsupported broker database {name!r}: use PostgreSQL or SQLite")

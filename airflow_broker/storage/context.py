@@ -41,12 +41,27 @@ class BrokerContext:
     :param engine: a SQLAlchemy engine on PostgreSQL (psycopg 3) or SQLite.
     :param resolver: logical broker name -> URL or broker (a mapping or a callable), used to reach
         other brokers named by routes (``broker://NAME``).
+    :param pooled: PostgreSQL: whether a connection pooler in transaction mode sits between the
+        engine and the server; None (the default) finds out on the first connection
+        (:mod:`~airflow_broker.storage.pooler`).
+    :param listen_url: PostgreSQL: a URL of the same database that reaches the server directly,
+        for what needs a session of its own behind a pooler (LISTEN wake-ups); None: the
+        engine's own URL where there is no pooler, polling where there is one.
     """
 
-    def __init__(self, engine: Engine, *, resolver: Resolver | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        resolver: Resolver | None = None,
+        pooled: bool | None = None,
+        listen_url: str | None = None,
+    ) -> None:
         self.engine = engine
         self.dialect: str = engine.dialect.name
-        self.adapter: PostgresAdapter | SqliteAdapter = adapter_for(engine)
+        self.adapter: PostgresAdapter | SqliteAdapter = adapter_for(
+            engine, pooled=pooled, listen_url=listen_url
+        )
         #: logical broker name -> URL or broker (a mapping or a callable); see transport.resolver
         self.resolver: Resolver | None = resolver
         self._instance_id: str | None = None
@@ -61,9 +76,19 @@ class BrokerContext:
         self.next_housekeeping = 0.0
 
     @classmethod
-    def connect(cls, url: str, *, resolver: Resolver | None = None, **engine_kwargs: Any) -> Self:
+    def connect(
+        cls,
+        url: str,
+        *,
+        resolver: Resolver | None = None,
+        pooled: bool | None = None,
+        listen_url: str | None = None,
+        **engine_kwargs: Any,
+    ) -> Self:
         """Open the broker database at ``url`` (``sqlite:///broker.db``,
-        ``postgresql+psycopg://user@host/db``; ``postgresql://`` means psycopg 3)."""
+        ``postgresql+psycopg://user@host/db``; ``postgresql://`` means psycopg 3). The same URL
+        works through PgBouncer in transaction mode; ``pooled`` and ``listen_url`` are for the
+        rare set-up the engine cannot tell apart on its own (see :class:`BrokerContext`)."""
         parsed = make_url(url)
         if parsed.drivername in ("postgresql", "postgres"):
             parsed = parsed.set(drivername="postgresql+psycopg")
@@ -82,7 +107,12 @@ class BrokerContext:
             connect_args = dict(engine_kwargs.get("connect_args") or {})
             connect_args.setdefault("prepare_threshold", None)
             engine_kwargs["connect_args"] = connect_args
-        return cls(create_engine(parsed, **engine_kwargs), resolver=resolver)
+        return cls(
+            create_engine(parsed, **engine_kwargs),
+            resolver=resolver,
+            pooled=pooled,
+            listen_url=listen_url,
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.engine.url.render_as_string(hide_password=True)!r})"

@@ -33,7 +33,8 @@ answers a ROLLBACK with ``DEALLOCATE ALL`` once it has prepared anything, and th
 these statements with it. Behind a pooler that hands each transaction another server process
 (PgBouncer in transaction mode) nothing prepared lasts: the first transaction that finds its
 statement missing (or another's there) starts again, and the engine sends its statements whole
-from then on, still one round trip each.
+from then on, still one round trip each. An engine that finds a pooler on its first connection
+(:mod:`~airflow_broker.storage.pooler`) sends them whole from the start.
 
 SQLite, and every other statement, go through SQLAlchemy as before.
 """
@@ -297,6 +298,12 @@ def _statement_query(statement: Prepared, literals: list[bytes], *, inline: bool
     return b"EXECUTE " + statement.name.encode() + b"(" + b",".join(literals) + b")"
 
 
+def stop_preparing(engine: Engine) -> None:
+    """``engine`` talks to the server through a transaction-mode pooler (storage.pooler): its
+    statements are written out whole from the start, never prepared."""
+    _inline_engines.add(engine)
+
+
 def _stop_preparing(engine: Engine, prepared: set[str], why: object) -> None:
     """The server did not keep what this connection prepared (or kept another's): a
     transaction-mode pooler such as PgBouncer hands each transaction another server process.
@@ -551,5 +558,6 @@ __all__ = [
     "flush",
     "literal",
     "observer",
+    "stop_preparing",
     "wait_ready",
 ]

@@ -252,8 +252,9 @@ def claim_statement(
     plan (``IN (SELECT ...)`` became a hash join over the whole table in the generic plan).
 
     ``mark`` (PostgreSQL, poison handling on; bind ``lease_key``): when messages are taken, the
-    same statement inserts this transaction's commit marker for its lease and ends the queue's run
-    of rolled-back receives, both of which take effect only if the transaction commits.
+    same statement takes the lease's transaction-level advisory lock, inserts this transaction's
+    commit marker for its lease and ends the queue's run of rolled-back receives (the last two
+    take effect only if the transaction commits).
 
     ``lease`` (bind ``token``): instead of taking the messages, mark them with the lease's token
     and count the hand-out (:mod:`airflow_broker.messaging.leases` holds the group).
@@ -325,8 +326,13 @@ def _claim_sql(
     if mark:
         sql = (
             f"{picked}, taken AS ({taking}), "
+            # The lease's lock: held until the transaction ends, however it ends (the
+            # reaper's test of a lease, storage.adapters). Taken in a FROM item so that a
+            # marker is never written without it.
             "marked AS (INSERT INTO broker_receive_commit (lease_key) "
-            "SELECT CAST(:lease_key AS bigint) WHERE EXISTS (SELECT 1 FROM taken) "
+            "SELECT CAST(:lease_key AS bigint) "
+            "FROM (SELECT pg_try_advisory_xact_lock(CAST(:lease_key AS bigint))) AS held_lock "
+            "WHERE EXISTS (SELECT 1 FROM taken) "
             "ON CONFLICT DO NOTHING), "
             "reset AS (UPDATE broker_queue SET rollback_count = 0 "
             "WHERE queue_id = :queue_id AND rollback_count > 0 "

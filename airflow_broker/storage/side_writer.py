@@ -14,6 +14,12 @@ guarantee as before, when the reader could die between its claim and the INSERT.
 connection is autocommit with ``synchronous_commit`` off, and the lease table is UNLOGGED:
 nothing here needs to survive a server crash, which ends every open transaction anyway. A
 write the server refuses is logged; it cannot fail the transaction that made it.
+
+Behind a pooler in transaction mode (:mod:`~airflow_broker.storage.pooler`) each statement may
+reach another server process: nothing is prepared (each goes as an unnamed statement of the
+extended protocol, parsed with its values in one message) and no session setting is made
+(``synchronous_commit`` would stay with a server process that others use next; the lease table
+being UNLOGGED, its writes do not wait for the disk anyway).
 """
 
 from __future__ import annotations
@@ -36,10 +42,14 @@ class SideWriter:
 
     :param connect: opens a psycopg connection in autocommit mode (the adapter's, with the
         engine's credentials, TLS settings and role set-up).
+    :param pooled: says whether a transaction-mode pooler is in the way (asked when connecting).
     """
 
-    def __init__(self, connect: Callable[[], Any]) -> None:
+    def __init__(self, connect: Callable[[], Any], pooled: Callable[[], bool] = bool) -> None:
         self._connect = connect
+        self._pooled = pooled
+        #: behind a pooler: statements go unnamed, nothing is set on the session
+        self._unnamed = False
         self._lock = threading.Lock()
         self._conn: Any = None
         self._pid = 0
@@ -63,10 +73,13 @@ class SideWriter:
                     conn = self._connection()
                     if self._pending:
                         self._drain(conn)
-                    name = self._prepared.get(sql)
-                    if name is None:
-                        name = self._prepare(conn, sql)
-                    conn.pgconn.send_query_prepared(name, values)
+                    if self._unnamed:
+                        conn.pgconn.send_query_params(sql.encode(), values)
+                    else:
+                        name = self._prepared.get(sql)
+                        if name is None:
+                            name = self._prepare(conn, sql)
+                        conn.pgconn.send_query_prepared(name, values)
                     flush(conn.pgconn)
                     self._pending += 1
                     return
@@ -105,8 +118,10 @@ class SideWriter:
             self._conn, self._pending = None, 0
             self._prepared.clear()
         if self._conn is None or self._conn.closed:
+            self._unnamed = self._pooled()
             conn = self._connect()
-            conn.execute("SET synchronous_commit = off")
+            if not self._unnamed:
+                conn.execute("SET synchronous_commit = off")
             self._conn, self._pid, self._pending = conn, os.getpid(), 0
             self._prepared.clear()
         return self._conn
