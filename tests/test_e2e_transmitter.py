@@ -5,7 +5,9 @@ each an Airflow connection. The only DAG is the one-line ``transmitter_dag()``. 
 from outside Airflow arrive in the far queue exactly once and in order with no manual step;
 while the far database refuses connections they wait (nothing lost, nothing doubled) and arrive
 once it is back; a backlog above the Spark threshold is moved by the Spark routing job; a
-conversation timer on a queue nobody reads fires within 5 seconds.
+conversation timer on a queue nobody reads fires within 5 seconds. Under CeleryExecutor (two
+workers) the transmitter's runs are the workers' tasks, and deliver the same way: every message
+once and in order, a conversation carried on across runs.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from transport_procs import (
     host_target,
     message_count,
     send_dialogs,
+    send_more,
 )
 
 from airflow_broker import DIALOG_TIMER, Broker
@@ -89,9 +92,11 @@ def _arrived(far: Broker) -> int:
     return message_count(far, TARGET_QUEUE)
 
 
-def test_the_transmitter_delivers_by_itself_through_outages_and_by_spark(
-    tmp_path: Path, make_pg_database: Callable[..., str]
-) -> None:
+def _network(
+    make_pg_database: Callable[..., str],
+) -> tuple[Broker, Broker, str, dict[str, str]]:
+    """The near and far broker databases, routed both ways; the far URL and the deployment's
+    connections."""
     near_url, far_url = make_pg_database(), make_pg_database()
     resolver = {"broker_default": near_url, "far": far_url}
     near = Broker.connect(near_url, resolver=resolver)
@@ -106,6 +111,13 @@ def test_the_transmitter_delivers_by_itself_through_outages_and_by_spark(
         "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
         "E2E_SPARK_THRESHOLD": str(SPARK_THRESHOLD),
     }
+    return near, far, far_url, env
+
+
+def test_the_transmitter_delivers_by_itself_through_outages_and_by_spark(
+    tmp_path: Path, make_pg_database: Callable[..., str]
+) -> None:
+    near, far, far_url, env = _network(make_pg_database)
     expected: dict[uuid.UUID, range] = {}
     got: dict[uuid.UUID, list[Any]] = {}
 
@@ -180,3 +192,58 @@ def test_the_transmitter_delivers_by_itself_through_outages_and_by_spark(
     assert sum(r["spark_runs"] for r in reports) >= 1, reports
     assert fired_in <= 5.0, f"the timer fired after {fired_in:.1f} s"
     assert [m.message_type_name for m in timer] == [DIALOG_TIMER]
+
+
+def test_under_celery_the_transmitter_runs_on_the_workers_and_delivers_once_in_order(
+    tmp_path: Path, make_pg_database: Callable[..., str]
+) -> None:
+    """The executor-dependent subset of the test above: the transmitter's runs, started by the
+    triggerer, run on the Celery workers and deliver between the two databases. Two batches on
+    the same conversations: the second is delivered by a later run and lands after the first,
+    each message once."""
+    near, far, _, env = _network(make_pg_database)
+    got: dict[uuid.UUID, list[Any]] = {}
+
+    def collect() -> None:
+        for cid, msgs in by_conversation(far, drain_all(far, TARGET_QUEUE)).items():
+            got.setdefault(cid, []).extend(msgs)
+
+    try:
+        with airflow_stack(
+            tmp_path,
+            DAGS,
+            metadata_url=make_pg_database(migrated=False),
+            extra_env=env,
+            executor="CeleryExecutor",
+        ) as af:
+            af.wait_for_dags(DAG_ID)
+            handles = send_dialogs(near, [10] * 20)
+            expected = {cid: range(0, 15) for cid in conversation_ids(near, handles).values()}
+            af.wait_for("200 messages in the far queue", lambda: _arrived(far) >= 200, timeout=180)
+            collect()
+            runs_before = len(af.runs(DAG_ID))
+
+            send_more(near, handles, 10, 5)
+            af.wait_for("the 100 more", lambda: _arrived(far) >= 100, timeout=180)
+            collect()
+            af.wait_for(
+                "the transmitter to go idle",
+                lambda: not [r for r in af.runs(DAG_ID) if r.state in ("queued", "running")],
+                timeout=120,
+            )
+            runs = af.runs(DAG_ID)
+            tasks = af.tasks_by_worker(DAG_ID)  # fails unless each ran on one worker
+        left = near.transmission_queue()
+    finally:
+        near.dispose()
+        far.dispose()
+
+    assert_exactly_once_in_order(got, expected, "far")
+    assert sum(len(m) for m in got.values()) == 300
+    assert left == []
+    assert len(runs) > runs_before >= 1, "the second batch was not a run of its own"
+    assert all(r.state == "success" for r in runs), [(r.run_id, r.state) for r in runs]
+    # One task a run, each handed to one of the workers. Which worker takes a run is Celery's
+    # choice (the activation test shows both at work, with two tasks at once; runs here follow
+    # one another).
+    assert sum(tasks.values()) == len(runs), tasks
