@@ -214,3 +214,41 @@ class AirflowBrokerSystem:
             return sum(s.depth for s in broker.queue_status() if s.name == TARGET_QUEUE)
         finally:
             broker.dispose()
+
+
+#: The port of the PgBouncer that ``airflow-broker-pgbouncer`` goes through (set by
+#: bench.pgbouncer before the reader processes start, which inherit it).
+PGBOUNCER_PORT_ENV = "BROKER_BENCH_PGBOUNCER_PORT"
+
+
+def through_pgbouncer(db: Database) -> Database:
+    """``db`` reached through the PgBouncer on :data:`PGBOUNCER_PORT_ENV`'s port."""
+    import os
+
+    from sqlalchemy import make_url
+
+    port = os.environ.get(PGBOUNCER_PORT_ENV)
+    if not port:
+        raise RuntimeError(
+            f"{PGBOUNCER_PORT_ENV} is not set: airflow-broker-pgbouncer runs under "
+            "`python -m bench.pgbouncer`, which starts the PgBouncer"
+        )
+    url = make_url(db.sqlalchemy_url).set(host="127.0.0.1", port=int(port))
+    conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    return Database(db.name, url.render_as_string(hide_password=False), conninfo)
+
+
+class PgBouncerBrokerSystem(AirflowBrokerSystem):
+    """airflow-broker whose producer and consumers reach the server through PgBouncer in
+    transaction mode; the set-up (schema, queues, dialogs) and the checks go directly."""
+
+    name = "airflow-broker-pgbouncer"
+
+    def producer(self, db: Database, workload: Workload, state: SetupState) -> BrokerProducer:
+        return super().producer(through_pgbouncer(db), workload, state)
+
+    def consumer(self, db: Database, workload: Workload, state: SetupState) -> BrokerConsumer:
+        consumer = super().consumer(through_pgbouncer(db), workload, state)
+        if not consumer.broker.adapter.pooled:  # type: ignore[union-attr]
+            raise RuntimeError("the consumer does not see PgBouncer: it would measure nothing")
+        return consumer

@@ -128,6 +128,13 @@ def _airflow_broker() -> System:
     return AirflowBrokerSystem()
 
 
+def _airflow_broker_pgbouncer() -> System:
+    import airflow_broker  # noqa: F401
+    from bench._broker_system import PgBouncerBrokerSystem
+
+    return PgBouncerBrokerSystem()
+
+
 def _pgmq() -> System:
     from bench._peers import PgmqSystem
 
@@ -148,6 +155,8 @@ def _pgqueuer() -> System:
 
 SYSTEMS: dict[str, Callable[[], System]] = {
     "airflow-broker": _airflow_broker,
+    # the same, its producer and consumers through PgBouncer (bench.pgbouncer starts it)
+    "airflow-broker-pgbouncer": _airflow_broker_pgbouncer,
     "pgmq-pop": _pgmq_pop,
     "pgmq": _pgmq,
     "pgqueuer": _pgqueuer,

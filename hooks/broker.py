@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import OperationalError
 
 from airflow_broker.errors import BrokerError
-from airflow_broker.hooks.connections import connection_url
+from airflow_broker.hooks.connections import connection_options, connection_url
 from airflow_broker.provider import CONNECTION_FORM
 from airflow_broker.provider.compat import AirflowNotFoundException, BaseHook
 
@@ -88,6 +88,12 @@ class BrokerHook(BaseHook):
     the database, login, password; psycopg 3); type ``sqlite`` uses its host as the file path;
     any type may give the whole URL in extra as ``{"url": "..."}``.
 
+    Behind PgBouncer in transaction mode the same connection works as it is (the broker finds
+    the pooler on its first connection). Two optional keys of ``extra`` are for what it cannot
+    tell on its own: ``listen_url``, a URL of the same database that reaches the server
+    directly, where waits LISTEN instead of polling; and ``pooled`` (true or false), which
+    overrides finding the pooler.
+
     :param broker_conn_id: the Airflow connection id (default ``broker_default``). When it does
         not exist the hook uses ``sqlite:///$AIRFLOW_HOME/broker.db``, logs that it does, and
         migrates that file once per process.
@@ -107,11 +113,16 @@ class BrokerHook(BaseHook):
     # -- the database --------------------------------------------------------------------------
     def broker_url(self) -> tuple[str, bool]:
         """The broker database URL and whether it is the embedded fallback (no connection)."""
+        url, fallback, _options = self._connection()
+        return url, fallback
+
+    def _connection(self) -> tuple[str, bool, dict[str, Any]]:
+        """The URL, whether it is the fallback, and ``Broker.connect``'s options from extra."""
         try:
             conn = self.get_connection(self.broker_conn_id)
         except AirflowNotFoundException:
-            return fallback_url(), True
-        return connection_url(conn), False
+            return fallback_url(), True, {}
+        return connection_url(conn), False, connection_options(conn)
 
     def get_broker(self) -> Broker:
         """The :class:`~airflow_broker.Broker` of the connection, opened on first use and kept
@@ -136,8 +147,8 @@ class BrokerHook(BaseHook):
     def _open(self) -> Broker:
         from airflow_broker.broker import Broker
 
-        url, fallback = self.broker_url()
-        broker = Broker.connect(url)
+        url, fallback, options = self._connection()
+        broker = Broker.connect(url, **options)
         if broker.dialect == "postgresql":
             try:
                 with broker.engine.connect():

@@ -93,6 +93,27 @@ def connection_url(conn: Any) -> str:
     )
 
 
+def connection_options(conn: Any) -> dict[str, Any]:
+    """``Broker.connect``'s options in an Airflow connection's ``extra``: ``listen_url`` (a
+    direct URL for LISTEN behind a pooler) and ``pooled`` (true/false: override finding the
+    pooler). Absent keys are left to the broker."""
+    extra = conn.extra_dejson or {}
+    options: dict[str, Any] = {}
+    if extra.get("listen_url"):
+        options["listen_url"] = str(extra["listen_url"])
+    pooled = extra.get("pooled")
+    if pooled is not None and pooled != "":
+        if isinstance(pooled, str):
+            if pooled.strip().lower() not in ("true", "false", "1", "0"):
+                raise ValueError(
+                    f"Airflow connection {conn.conn_id!r}: extra 'pooled' must be true or false, "
+                    f"not {pooled!r}"
+                )
+            pooled = pooled.strip().lower() in ("true", "1")
+        options["pooled"] = bool(pooled)
+    return options
+
+
 def libpq_parameters(conn_id: str, extra: dict[str, Any]) -> dict[str, str]:
     """The libpq parameters in a connection's ``extra`` (:data:`LIBPQ_EXTRAS`), as the strings a
     URL carries: ``true``/``false`` become ``1``/``0`` (``keepalives``, ``sslsni``), numbers their
@@ -132,8 +153,8 @@ def airflow_connection_url(conn_id: str) -> str | None:
         # a plain program that merely has it installed.
         return None
     try:
-        from airflow.sdk import BaseHook
-        from airflow.sdk.exceptions import AirflowNotFoundException
+        # compat: Airflow 3.1's Task SDK has no AirflowNotFoundException of its own
+        from airflow_broker.provider.compat import AirflowNotFoundException, BaseHook
     except ImportError:
         return None
     try:

@@ -26,6 +26,29 @@ import time
 from pathlib import Path
 
 BINARY = "/usr/sbin/pgbouncer"
+PREFIX = "broker-pgbouncer-"
+
+
+def stop_orphans() -> None:
+    """Stop the PgBouncers that test processes killed before their teardown left running
+    (each directory names its owner's pid): their server connections count against the
+    server's max_connections."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
+        try:
+            owner = int((folder / "owner").read_text())
+            pid = int((folder / "pgbouncer.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(owner, 0)
+            continue  # its test process is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def free_port() -> int:
@@ -42,7 +65,7 @@ class PgBouncer:
         server_host: str = "127.0.0.1",
         server_port: int = 5432,
         *,
-        pool_size: int = 20,
+        pool_size: int = 10,
         pool_mode: str = "transaction",
     ) -> None:
         self.server_host = server_host
@@ -59,7 +82,9 @@ class PgBouncer:
                 f"{BINARY} is missing: the PgBouncer tests need Debian's pgbouncer "
                 "(run tests/support/ensure_pgbouncer.py, or apt-get install pgbouncer)"
             )
-        self.dir = Path(tempfile.mkdtemp(prefix="broker-pgbouncer-"))
+        stop_orphans()
+        self.dir = Path(tempfile.mkdtemp(prefix=PREFIX))
+        (self.dir / "owner").write_text(str(os.getpid()))
         self.port = free_port()
         users = self.dir / "users.txt"
         users.write_text('"postgres" ""\n')
@@ -76,7 +101,8 @@ class PgBouncer:
             f"pool_mode = {self.pool_mode}\n"
             "max_client_conn = 2000\n"
             f"default_pool_size = {self.pool_size}\n"
-            "max_db_connections = 0\n"
+            # test databases come and go: their idle server connections should not pile up
+            "server_idle_timeout = 5\n"
             # JDBC (the Spark job) sends extra_float_digits; nothing of ours needs options
             "ignore_startup_parameters = extra_float_digits,options\n"
             f"logfile = {self.dir / 'pgbouncer.log'}\n"

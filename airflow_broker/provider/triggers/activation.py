@@ -39,7 +39,7 @@ from sqlalchemy.exc import DBAPIError
 from airflow_broker.activation import ACTIVATION_KEY, Fire, Monitor, check_mode, due_step
 from airflow_broker.errors import BrokerError, InvalidDefinition
 from airflow_broker.provider.compat import Asset, AssetWatcher, BaseEventTrigger, TriggerEvent
-from airflow_broker.storage.adapters import channel
+from airflow_broker.storage.adapters import PostgresAdapter, channel
 
 if TYPE_CHECKING:
     from airflow_broker.broker import Broker
@@ -148,11 +148,15 @@ _listeners: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str,
 _listeners = weakref.WeakKeyDictionary()
 
 
-def _connect_params(broker: Broker) -> tuple[str, dict[str, Any]]:
-    engine = broker.engine
-    _args, cparams = engine.dialect.create_connect_args(engine.url)
-    params = {k: v for k, v in cparams.items() if k != "client_encoding"}
-    return engine.url.render_as_string(hide_password=False), params
+def _connect_params(broker: Broker) -> tuple[str, dict[str, Any]] | None:
+    """Where to LISTEN for ``broker``: the key of its listeners and psycopg's parameters; None
+    behind a transaction-mode pooler with no ``listen_url`` (storage.pooler): then it polls."""
+    adapter = broker.adapter
+    assert isinstance(adapter, PostgresAdapter)
+    params = adapter.session_params()
+    if params is None:
+        return None
+    return broker.engine.url.render_as_string(hide_password=False), params
 
 
 class QueueWaiter:
@@ -187,7 +191,11 @@ class QueueWaiter:
             return
         loop = asyncio.get_running_loop()
         self._retry_at = loop.time() + LISTEN_RETRY_SECONDS  # cleared once listening
-        url, params = _connect_params(self.broker)
+        where = await asyncio.to_thread(_connect_params, self.broker)
+        if where is None:
+            self._retry_at = None  # behind a pooler: poll every poll_interval, for good
+            return
+        url, params = where
         key = (url, self.channel_name)
         table = _listeners.setdefault(loop, {})
         listener = table.get(key)
