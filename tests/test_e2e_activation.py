@@ -121,6 +121,9 @@ def test_messages_from_outside_activate_readers_that_drain_them_once(
     b.dispose()
 
 
+# Eight processes to start (Redis, two workers) and a PostgreSQL metadata database to migrate:
+# about 200 s on two loaded cores, where the suite's 300 s default leaves too little room.
+@pytest.mark.timeout(480)
 def test_under_celery_two_readers_run_on_the_two_workers_and_drain_once(
     tmp_path: Path, make_pg_database: Callable[..., str]
 ) -> None:

@@ -194,6 +194,9 @@ def test_the_transmitter_delivers_by_itself_through_outages_and_by_spark(
     assert [m.message_type_name for m in timer] == [DIALOG_TIMER]
 
 
+# Eight processes to start (Redis, two workers) and a PostgreSQL metadata database to migrate:
+# about 200 s on two loaded cores, where the suite's 300 s default leaves too little room.
+@pytest.mark.timeout(480)
 def test_under_celery_the_transmitter_runs_on_the_workers_and_delivers_once_in_order(
     tmp_path: Path, make_pg_database: Callable[..., str]
 ) -> None:

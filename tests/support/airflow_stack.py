@@ -277,27 +277,36 @@ class AirflowStack:
         )
 
     def stop_component(self, name: str, *, kill: bool = False) -> None:
-        proc = self.procs.pop(name, None)
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        self.stop_components([name], kill=kill)
+
+    def stop_components(self, names: list[str], *, kill: bool = False, grace: float = 30) -> None:
+        """Signal the process groups of ``names`` all at once (SIGTERM, or SIGKILL with
+        ``kill``), wait up to ``grace`` seconds for them, SIGKILL what is left; then SIGKILL
+        whatever of each group outlived its leader (a task process, a pool child)."""
+        procs = [proc for name in names if (proc := self.procs.pop(name, None)) is not None]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
     def restart_component(self, name: str, *, kill: bool = False) -> None:
         self.stop_component(name, kill=kill)
         self.start_component(name)
 
     def stop(self) -> None:
-        """Stop every process group, the last started first (the workers before the
-        scheduler, Redis last)."""
-        for name in reversed(list(self.procs)):
-            self.stop_component(name)
+        """Stop every process group: Airflow's processes and the Celery workers together,
+        Redis once they are gone."""
+        self.stop_components([name for name in self.procs if name != "redis"])
+        self.stop_components(["redis"])
 
     def log(self, name: str) -> str:
         path = self.home / f"{name}.log"
