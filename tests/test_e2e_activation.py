@@ -133,10 +133,11 @@ def test_under_celery_two_readers_run_on_the_two_workers_and_drain_once(
     The workers run one task at a time each (the harness's ``--concurrency 1``, prefetching
     none): two readers running at once are on both workers. The handler pauses after each
     conversation group (E2E_HANDLE_PAUSE) so that the first reader is still draining when the
-    second burst makes the queue grow and the monitor starts a second one."""
+    second burst makes the queue grow and the monitor starts a second one: about 40 s for the
+    second reader's task to start (it took 5 to 10 s on two loaded cores)."""
     broker_url = make_pg_database()
     b = _setup(broker_url)
-    env = {**_conn_env(broker_url), "E2E_HANDLE_PAUSE": "0.4"}
+    env = {**_conn_env(broker_url), "E2E_HANDLE_PAUSE": "1.0"}
     with airflow_stack(
         tmp_path,
         DAGS,
