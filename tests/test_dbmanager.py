@@ -210,5 +210,12 @@ def test_manager_passes_airflow_validation() -> None:
 def test_provider_registers_the_manager() -> None:
     from airflow.providers_manager import ProvidersManager
 
-    assert MANAGER in ProvidersManager().db_managers
+    from airflow_broker.provider.compat import PROVIDER_DB_MANAGERS
+    from airflow_broker.provider.info import get_provider_info
+
+    assert get_provider_info()["db-managers"] == [MANAGER]
+    if PROVIDER_DB_MANAGERS:
+        assert MANAGER in ProvidersManager().db_managers
+    else:  # Airflow 3.1 reads no provider's managers: [database] external_db_managers names it
+        assert not hasattr(ProvidersManager(), "db_managers")
     json.dumps(BrokerDBManager.revision_heads_map)

@@ -1,8 +1,9 @@
 """Everything that differs between Airflow 3.x releases, in one place.
 
-The rest of the package imports Airflow names from here only. Supported: Airflow 3.1 and newer
-(tested on the newest 3.x). 3.1 moved ``BaseHook`` into the Task SDK (``airflow.sdk``); 3.0 had
-it in ``airflow.hooks.base``. Triggers still live in ``airflow.triggers.base``.
+The rest of the package imports Airflow names from here only. Supported: Airflow 3.1 and newer;
+the Airflow-facing end-to-end tests run on 3.1.0 and on the newest 3.x (docs/airflow.md). 3.1's
+Task SDK has ``BaseHook`` but not yet ``AirflowNotFoundException`` nor ``AirflowFailException``
+(``airflow.exceptions`` has them). Triggers still live in ``airflow.triggers.base``.
 
 Importing this module installs Airflow's Stats as the sink of the broker's metrics (when
 Airflow's metrics are on: :mod:`airflow_broker.provider.stats`).
@@ -13,24 +14,41 @@ Importing this module imports Airflow: the engine (``airflow_broker`` outside ``
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+from collections.abc import Callable
 from importlib.metadata import version as _dist_version
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from packaging.version import Version
 
-AIRFLOW_VERSION = Version(_dist_version("apache-airflow"))
-#: The oldest Airflow this package supports.
-OLDEST_SUPPORTED = Version("3.1.0")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
-if AIRFLOW_VERSION.major < 3:  # pragma: no cover - refused early, with the reason
+AIRFLOW_VERSION = Version(_dist_version("apache-airflow"))
+#: The oldest Airflow this package supports: pyproject.toml's lower bound, and what ``make test``
+#: runs the Airflow-facing end-to-end tests on besides the newest (``.venv-oldest``, pinned by
+#: tests/support/oldest-airflow.txt). Airflow 3.0 cannot be: it requires SQLAlchemy < 2.
+OLDEST_SUPPORTED = Version("3.1.0")
+#: Airflow 3.2 runs the DB managers that providers register (``db-managers`` in the provider
+#: info) on ``airflow db migrate``; 3.1 runs only those named in ``[database]
+#: external_db_managers``.
+PROVIDER_DB_MANAGERS = Version("3.2.0") <= AIRFLOW_VERSION
+#: Airflow 3.2.2 made the trigger runner's channel to the triggerer safe from any thread. Before,
+#: a Task SDK call (a connection, a variable) from a plain thread ran on an event loop of its own
+#: and read the loop's answers out of order: the trigger runner died ("Response read out of
+#: order!"). :func:`to_thread` works on both.
+THREADSAFE_TRIGGER_COMMS = Version("3.2.2") <= AIRFLOW_VERSION
+
+if AIRFLOW_VERSION.release < OLDEST_SUPPORTED.release:  # pragma: no cover - refused, with why
     raise ImportError(
-        f"airflow-broker needs Airflow 3 (>= {OLDEST_SUPPORTED}); this is Airflow {AIRFLOW_VERSION}"
+        f"airflow-broker needs Airflow >= {OLDEST_SUPPORTED}; this is Airflow {AIRFLOW_VERSION}"
     )
 
 from airflow.sdk import (  # noqa: E402
     Asset,
     AssetWatcher,
+    BaseHook,
     BaseOperator,
     BaseSensorOperator,
     Context,
@@ -39,18 +57,13 @@ from airflow.sdk import (  # noqa: E402
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent  # noqa: E402
 
 try:
-    from airflow.sdk import BaseHook
-except ImportError:  # pragma: no cover - Airflow 3.0
-    from airflow.hooks.base import BaseHook  # type: ignore[no-redef,attr-defined,unused-ignore]
-
-try:
     from airflow.sdk.exceptions import AirflowNotFoundException
-except ImportError:  # pragma: no cover - Airflow 3.0
+except ImportError:  # Airflow 3.1
     from airflow.exceptions import AirflowNotFoundException  # type: ignore[no-redef,unused-ignore]
 
 try:
     from airflow.sdk.exceptions import AirflowFailException
-except ImportError:  # pragma: no cover - before the Task SDK had it
+except ImportError:  # Airflow 3.1
     from airflow.exceptions import AirflowFailException  # type: ignore[no-redef,unused-ignore]
 
 # -- the API server: the plugin's FastAPI app -------------------------------------------------
@@ -90,6 +103,18 @@ from airflow_broker.provider import stats as airflow_metrics  # noqa: E402
 airflow_metrics.install()
 
 
+async def to_thread(func: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    """``asyncio.to_thread`` for a trigger's blocking work, which may make Task SDK calls (the
+    broker connection, ``broker://`` routes): before Airflow 3.2.2 through asgiref's
+    ``sync_to_async``, whose threads send those calls back to the trigger runner's event loop
+    (:data:`THREADSAFE_TRIGGER_COMMS`)."""
+    if THREADSAFE_TRIGGER_COMMS:
+        return await asyncio.to_thread(func, *args, **kwargs)
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(func, thread_sensitive=False)(*args, **kwargs)
+
+
 def __getattr__(name: str) -> Any:
     try:
         module, attribute = _API_SERVER_NAMES[name]
@@ -103,6 +128,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AIRFLOW_VERSION",
     "OLDEST_SUPPORTED",
+    "PROVIDER_DB_MANAGERS",
+    "THREADSAFE_TRIGGER_COMMS",
     "AirflowFailException",
     "AirflowNotFoundException",
     "AirflowPlugin",
@@ -122,4 +149,5 @@ __all__ = [
     "TriggerEvent",
     "get_auth_manager",
     "get_user",
+    "to_thread",
 ]

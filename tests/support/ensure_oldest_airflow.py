@@ -45,8 +45,15 @@ PYTHON_VERSION = "3.11"
 #: Airflow 3.1.0 was released on 2025-09-25: resolve as of a few days after.
 CUTOFF = "2025-10-01"
 #: Released after CUTOFF but required: pyproject.toml pins PySpark 4.2 (and pyspark-client needs
-#: the newer grpc and protos), and the benchmark peers' lower bounds are later releases.
+#: the newer grpc and protos), and the benchmark peers' lower bounds are later releases. The
+#: engine's schema needs SQLAlchemy 2.1 (``postgresql_with=`` on a Table: migration 0019), and
+#: SQLAlchemy-Utils before 0.43 does not import under 2.1.
 NEWER = (
+    "sqlalchemy",
+    "sqlalchemy-utils",
+    "psycopg",
+    "psycopg-binary",
+    "psycopg-pool",
     "pyspark",
     "pyspark-client",
     "grpcio",

@@ -19,7 +19,7 @@ How it waits: on PostgreSQL it LISTENs on the queue's channel (``airflow_broker_
 notified by a trigger on ``broker_message`` whenever ready messages are written) through one
 psycopg async connection per queue and process, shared by every trigger waiting on that queue;
 ``poll_interval`` is then only the fallback. On SQLite it polls every ``poll_interval``. The
-blocking database work runs in threads (``asyncio.to_thread``); the brokers are shared by the
+blocking database work runs in threads (``compat.to_thread``); the brokers are shared by the
 triggers of one process on the same database and closed when the last one is cleaned up.
 """
 
@@ -38,7 +38,13 @@ from sqlalchemy.exc import DBAPIError
 
 from airflow_broker.activation import ACTIVATION_KEY, Fire, Monitor, check_mode, due_step
 from airflow_broker.errors import BrokerError, InvalidDefinition
-from airflow_broker.provider.compat import Asset, AssetWatcher, BaseEventTrigger, TriggerEvent
+from airflow_broker.provider.compat import (
+    Asset,
+    AssetWatcher,
+    BaseEventTrigger,
+    TriggerEvent,
+    to_thread,
+)
 from airflow_broker.storage.adapters import PostgresAdapter, channel
 
 if TYPE_CHECKING:
@@ -191,7 +197,7 @@ class QueueWaiter:
             return
         loop = asyncio.get_running_loop()
         self._retry_at = loop.time() + LISTEN_RETRY_SECONDS  # cleared once listening
-        where = await asyncio.to_thread(_connect_params, self.broker)
+        where = await to_thread(_connect_params, self.broker)
         if where is None:
             self._retry_at = None  # behind a pooler: poll every poll_interval, for good
             return
@@ -348,7 +354,7 @@ class QueueActivationTrigger(BaseEventTrigger):
         return monitor.check()
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        broker = self._held = await asyncio.to_thread(self._broker)
+        broker = self._held = await to_thread(self._broker)
         monitor = self._monitor(broker)
         failures = 0
         try:
@@ -356,7 +362,7 @@ class QueueActivationTrigger(BaseEventTrigger):
                 if self._waiter is not None:
                     self._waiter.clear()
                 try:
-                    fire = await asyncio.to_thread(self._look, broker, monitor)
+                    fire = await to_thread(self._look, broker, monitor)
                     failures = 0
                 except (DBAPIError, BrokerError) as exc:
                     # The queue not declared yet, the database restarting...: keep watching.

@@ -27,7 +27,13 @@ from sqlalchemy.exc import DBAPIError
 
 from airflow_broker.errors import BrokerError, InvalidDefinition
 from airflow_broker.operations.alerts import DEFAULT_WAITING_THRESHOLD, KINDS, raise_alerts
-from airflow_broker.provider.compat import Asset, AssetWatcher, BaseEventTrigger, TriggerEvent
+from airflow_broker.provider.compat import (
+    Asset,
+    AssetWatcher,
+    BaseEventTrigger,
+    TriggerEvent,
+    to_thread,
+)
 from airflow_broker.provider.triggers.activation import (
     MAX_BACKOFF,
     acquire_broker,
@@ -101,12 +107,12 @@ class BrokerAlertTrigger(BaseEventTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        broker = self._held = await asyncio.to_thread(acquire_broker, self.broker_conn_id)
+        broker = self._held = await to_thread(acquire_broker, self.broker_conn_id)
         failures = 0
         try:
             while True:
                 try:
-                    raised = await asyncio.to_thread(self._look, broker)
+                    raised = await to_thread(self._look, broker)
                     failures = 0
                 except (DBAPIError, BrokerError) as exc:
                     failures += 1
