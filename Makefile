@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo demo-spark test lint unit install install-dev postgres browser spark bench soak clean
+.PHONY: demo demo-spark test test-pgbouncer lint unit install install-dev postgres browser spark pgbouncer redis bench soak clean
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -37,15 +37,39 @@ browser: install-dev
 spark: install-dev
 	$(BIN)/python tests/support/ensure_spark.py
 
+# Installs Debian's redis-server when /usr/bin/redis-server is missing (the CeleryExecutor e2e
+# tests start their own on a free port).
+redis: install-dev
+	$(BIN)/python tests/support/ensure_redis.py
+
+# Installs Debian's pgbouncer when missing (the PostgreSQL subset runs through it).
+pgbouncer: install-dev
+	$(BIN)/python tests/support/ensure_pgbouncer.py
+
 lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 
-# What the tests talk to is installed and started first: PostgreSQL, chromium, Java + JDBC.
-test: install-dev postgres browser spark lint
+# The PostgreSQL tests of the engine, leases, failure handling, delivery, activation and the
+# transmitter, run a second time through a PgBouncer in transaction mode that each test process
+# starts (tests/support/pgbouncer.py); tests of a direct connection's own mechanics are left out.
+PGBOUNCER_TESTS := tests/test_dialogs.py tests/test_receive.py tests/test_empty_receive.py \
+	tests/test_send_committed.py tests/test_reader_loop.py tests/test_poison.py \
+	tests/test_failure_handling.py tests/test_leases.py tests/test_leases_pg.py \
+	tests/test_concurrency_pg.py tests/test_transport_pg.py tests/test_delivery_pipeline_pg.py \
+	tests/test_activation.py tests/test_runner.py tests/test_transmitter.py tests/test_triggers.py
+
+test-pgbouncer: install-dev postgres pgbouncer
+	BROKER_TEST_VIA_PGBOUNCER=1 $(BIN)/pytest -n 2 --dist loadgroup -m "not direct_connection" \
+		-k "not sqlite" $(PGBOUNCER_TESTS)
+
+# What the tests talk to is installed and started first: PostgreSQL, chromium, Java + JDBC,
+# PgBouncer, Redis.
+test: install-dev postgres browser spark pgbouncer redis lint
 	$(BIN)/pytest -n 2 --dist loadgroup
+	$(MAKE) --no-print-directory test-pgbouncer
 
 # The model-based check at length (the suite runs a bounded profile): thousands of random
 # operation sequences against the reference model, on SQLite and PostgreSQL; and a longer stress run.

@@ -189,6 +189,8 @@ def postgres_server(request: pytest.FixtureRequest) -> Iterator[PostgresServer]:
     server = PostgresServer(bouncer)
     server.check()
     yield server
+    if bouncer is not None:
+        bouncer.stop()  # its server connections first: DROP DATABASE would end each of them
     server.drop_all()
 
 

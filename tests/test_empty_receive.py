@@ -99,7 +99,13 @@ def counted(pg_broker: Broker, monkeypatch: pytest.MonkeyPatch) -> dict[str, lis
 
 
 def _claims(queries_sent: list[bytes]) -> list[bytes]:
-    return [q for q in queries_sent if b"EXECUTE broker_" in q]
+    """The claims among the direct path's queries: prepared (``EXECUTE broker_...``), or
+    written whole behind a pooler (``BROKER_TEST_VIA_PGBOUNCER``)."""
+    return [
+        q
+        for q in queries_sent
+        if b"EXECUTE broker_" in q or (b"FROM broker_message" in q and b"grp" in q)
+    ]
 
 
 @pytest.mark.postgres

@@ -139,6 +139,7 @@ def says_unreachable(status: str, address: str) -> bool:
 # -- seed 003: high availability --
 
 
+@pytest.mark.direct_connection  # a server refusing connections; a pooler answers instead
 @pytest.mark.timeout(120)
 def test_high_availability_survives_either_gateway_going_down(
     pg_network: Network, outage: Outage
@@ -202,6 +203,7 @@ def delays(rows: list[TransmissionRow], before: datetime, after: datetime) -> tu
     return lo.total_seconds(), hi.total_seconds()
 
 
+@pytest.mark.direct_connection  # a server refusing connections; a pooler answers instead
 @pytest.mark.timeout(120)
 def test_messages_wait_while_the_target_is_down_and_arrive_once_it_is_back(
     pg_network: Network, outage: Outage
@@ -303,6 +305,7 @@ def mirror_net(pg_network: Network, make_pg_database: Callable[..., str]) -> Ite
     net.close()
 
 
+@pytest.mark.direct_connection  # a server refusing connections; a pooler answers instead
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "case", ["principal down, mirror is principal", "principal says it is not the principal"]
@@ -335,6 +338,7 @@ def test_the_mirror_takes_the_messages_when_the_principal_cannot(
     assert message_count(net["b"], TARGET_QUEUE) == 0
 
 
+@pytest.mark.direct_connection  # a server refusing connections; a pooler answers instead
 @pytest.mark.timeout(120)
 def test_no_delivery_while_the_principal_is_down_and_the_mirror_does_not_claim_to_be_it(
     mirror_net: Net, outage: Outage
@@ -368,6 +372,7 @@ def test_no_delivery_while_the_principal_is_down_and_the_mirror_does_not_claim_t
     assert message_count(b2, TARGET_QUEUE) == 0
 
 
+@pytest.mark.direct_connection  # a server refusing connections; a pooler answers instead
 def test_an_outage_refuses_connections_until_it_ends(pg_network: Network, outage: Outage) -> None:
     """What the tests above rely on: while "down" a database refuses new connections at once."""
     net = pg_network("a")

@@ -380,6 +380,7 @@ def test_trigger_waits_for_a_queue_declared_later(broker: Broker) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.direct_connection  # its LISTEN connection; behind a pooler it polls
 def test_cleanup_closes_the_trigger_connections(broker: Broker) -> None:
     def listeners() -> int:
         if broker.dialect != "postgresql":
@@ -438,6 +439,7 @@ def test_a_cancel_that_meets_a_notify_stops_the_waiter(broker: Broker) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.direct_connection  # its LISTEN connection; behind a pooler it polls
 def test_trigger_listens_again_after_its_connection_is_killed(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

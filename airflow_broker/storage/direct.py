@@ -366,13 +366,16 @@ class CommittedThenFailed(Exception):
 
 def can_commit_then_execute(conn: Connection, statement: Prepared) -> bool:
     """Whether :func:`commit_then_execute` can run ``statement`` on ``conn``: its transaction is
-    open and healthy, and the statement is prepared on the connection already."""
-    if not conn.in_transaction() or conn.engine in _inline_engines:
+    open and healthy, and the statement is prepared on the connection already (or the engine
+    writes its statements whole, behind a pooler)."""
+    if not conn.in_transaction():
         return False
     fairy = conn.connection
     raw: Any = fairy.driver_connection
     if raw.pgconn.transaction_status != _INTRANS:
         return False
+    if conn.engine in _inline_engines:
+        return True
     prepared: set[str] = fairy.info.get("broker_prepared", set())
     return statement.name in prepared
 
@@ -393,8 +396,13 @@ def commit_then_execute(
     """
     fairy = conn.connection
     raw: Any = fairy.driver_connection
-    literals = [literal(fairy.info["broker_escaping"], a) for a in args]
-    execute = b"EXECUTE " + statement.name.encode() + b"(" + b",".join(literals) + b")"
+    literals = [literal(_escaping(fairy.info, raw), a) for a in args]
+    if conn.engine in _inline_engines:
+        # Behind a pooler the whole query runs on one server process: the transaction that
+        # BEGIN opens keeps it, and the statement goes whole.
+        execute = statement.inline(literals)
+    else:
+        execute = b"EXECUTE " + statement.name.encode() + b"(" + b",".join(literals) + b")"
     query = b";".join([b"COMMIT", b"BEGIN", *statement.around(execute)])
     results = _results(conn, raw, query)
     done = results[0]
