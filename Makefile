@@ -59,7 +59,9 @@ PGBOUNCER_TESTS := tests/test_dialogs.py tests/test_receive.py tests/test_empty_
 	tests/test_send_committed.py tests/test_reader_loop.py tests/test_poison.py \
 	tests/test_failure_handling.py tests/test_leases.py tests/test_leases_pg.py \
 	tests/test_concurrency_pg.py tests/test_transport_pg.py tests/test_delivery_pipeline_pg.py \
-	tests/test_activation.py tests/test_runner.py tests/test_transmitter.py tests/test_triggers.py
+	tests/test_activation.py tests/test_runner.py tests/test_transmitter.py tests/test_triggers.py \
+	"tests/test_spark_job.py::test_the_job_delivers_every_message_once_in_order_and_replies_come_back" \
+	tests/test_spark_job.py::test_postgresql_groups_the_conversations_as_the_spark_transform_does
 
 test-pgbouncer: install-dev postgres pgbouncer
 	BROKER_TEST_VIA_PGBOUNCER=1 $(BIN)/pytest -n 2 --dist loadgroup -m "not direct_connection" \

@@ -18,7 +18,11 @@ def copy_partition(conninfo: str, statement: str, batches: Iterator[Any]) -> Ite
     # Every value quoted, nulls bare: COPY reads a bare empty field as NULL, "" as ''.
     options = pa_csv.WriteOptions(include_header=False, quoting_style="all_valid")
     rows = 0
-    with psycopg.connect(conninfo) as conn, conn.cursor().copy(statement) as copy:
+    # prepare_threshold=None: nothing prepared on a server process a pooler may hand to others
+    with (
+        psycopg.connect(conninfo, prepare_threshold=None) as conn,
+        conn.cursor().copy(statement) as copy,
+    ):
         for batch in batches:
             if batch.num_rows:
                 buffer = io.BytesIO()

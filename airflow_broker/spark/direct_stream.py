@@ -73,7 +73,8 @@ def stream_part(far: Far, source: Source, plan: Any, index: int) -> Any:
     import psycopg
 
     from_tq = f"FROM broker_transmission_queue t WHERE {source.moves}"
-    with psycopg.connect(source.conninfo) as src:
+    # prepare_threshold=None: nothing prepared on a server process a pooler may hand to others
+    with psycopg.connect(source.conninfo, prepare_threshold=None) as src:
         src.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         src.read_only = True
         if source.work_mem is not None:

@@ -342,7 +342,8 @@ def into_far(
     wrote), raise the receive sequence numbers. Returns the :data:`RESULT_SCHEMA` batch."""
     import psycopg
 
-    with psycopg.connect(far.conninfo) as conn, conn.cursor() as cur:
+    # prepare_threshold=None: nothing prepared on a server process a pooler may hand to others
+    with psycopg.connect(far.conninfo, prepare_threshold=None) as conn, conn.cursor() as cur:
         # The far endpoints, locked in handle order until the messages are in.
         cur.execute(
             "SELECT e.conversation_id::text, e.is_initiator, e.conversation_handle::text, "
