@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo demo-spark test test-pgbouncer lint unit install install-dev postgres browser spark pgbouncer redis bench soak clean
+.PHONY: demo demo-spark test test-pgbouncer test-oldest oldest lint unit install install-dev postgres browser spark pgbouncer redis bench soak clean
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -67,11 +67,27 @@ test-pgbouncer: install-dev postgres pgbouncer
 	BROKER_TEST_VIA_PGBOUNCER=1 $(BIN)/pytest -n 2 --dist loadgroup -m "not direct_connection" \
 		-k "not sqlite" $(PGBOUNCER_TESTS)
 
+# The oldest supported Airflow (docs/airflow.md, "Airflow versions"): a second environment,
+# every package pinned by tests/support/oldest-airflow.txt, rebuilt when the pins change.
+OLDEST := .venv-oldest
+OLDEST_TESTS := tests/test_e2e_activation.py tests/test_e2e_transmitter.py \
+	tests/test_plugin_e2e.py tests/test_dbmanager.py tests/test_airflow_versions.py
+
+oldest: install-dev
+	$(BIN)/python tests/support/ensure_oldest_airflow.py
+
+# The Airflow-facing end-to-end set on the oldest supported Airflow (LocalExecutor: the
+# CeleryExecutor tests run on the newest only).
+test-oldest: oldest postgres
+	$(OLDEST)/bin/pytest -n 2 --dist loadgroup -k "not under_celery" $(OLDEST_TESTS)
+
 # What the tests talk to is installed and started first: PostgreSQL, chromium, Java + JDBC,
-# PgBouncer, Redis.
+# PgBouncer, Redis; then the whole suite on the newest Airflow, the PostgreSQL subset through
+# PgBouncer, and the end-to-end set on the oldest Airflow.
 test: install-dev postgres browser spark pgbouncer redis lint
 	$(BIN)/pytest -n 2 --dist loadgroup
 	$(MAKE) --no-print-directory test-pgbouncer
+	$(MAKE) --no-print-directory test-oldest
 
 # The model-based check at length (the suite runs a bounded profile): thousands of random
 # operation sequences against the reference model, on SQLite and PostgreSQL; and a longer stress run.
