@@ -73,13 +73,14 @@ class SideWriter:
                     conn = self._connection()
                     if self._pending:
                         self._drain(conn)
+                    params = list(values)  # psycopg 3.2's pgconn takes a list, not a tuple
                     if self._unnamed:
-                        conn.pgconn.send_query_params(sql.encode(), values)
+                        conn.pgconn.send_query_params(sql.encode(), params)
                     else:
                         name = self._prepared.get(sql)
                         if name is None:
                             name = self._prepare(conn, sql)
-                        conn.pgconn.send_query_prepared(name, values)
+                        conn.pgconn.send_query_prepared(name, params)
                     flush(conn.pgconn)
                     self._pending += 1
                     return
