@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -169,6 +170,8 @@ def check_worker_python() -> str:
     probe = subprocess.run(
         [WORKER_PYTHON, "-c", "import airflow_broker"],
         env={"PATH": "/usr/bin:/bin"},
+        # not the checkout: `python -c` puts its working directory first on sys.path
+        cwd=tempfile.gettempdir(),
         capture_output=True,
         text=True,
     )

@@ -379,15 +379,11 @@ receive_lease = Table(
     Column("started_at", Timestamp, nullable=False),
     # The queuing_order of every message taken (JSON): a failed attempt counts them.
     Column("held", Text, nullable=True),
-    # The receiving transaction holds an advisory lock on lease_key (migration 0023); false on
-    # rows written before, whose liveness is their server backend's (pid, backend_start).
-    Column("xact_lock", Boolean, nullable=False, server_default=text("false")),
+    Column("xact_lock", Boolean, nullable=False, server_default=text("false")),  # see comment
     info={"unlogged": True},
     comment=(
-        "One row per open transaction that has received messages (PostgreSQL), written outside "
-        "that transaction and deleted by its commit. The transaction holds an advisory lock on "
-        "lease_key: a row whose lock is free and that has no commit marker belongs to a reader "
-        "that died holding messages, which poison handling counts as a rollback."
+        "One row per open receiving transaction (PostgreSQL), deleted by its commit. With its lock "
+        "on lease_key free and no commit marker, its reader died holding messages (a rollback)."
     ),
 )
 

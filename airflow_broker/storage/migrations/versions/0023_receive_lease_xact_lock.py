@@ -32,10 +32,8 @@ OLD_COMMENT = (
     "belongs to a reader that died holding messages: poison handling counts it as a rollback."
 )
 NEW_COMMENT = (
-    "One row per open transaction that has received messages (PostgreSQL), written outside "
-    "that transaction and deleted by its commit. The transaction holds an advisory lock on "
-    "lease_key: a row whose lock is free and that has no commit marker belongs to a reader "
-    "that died holding messages, which poison handling counts as a rollback."
+    "One row per open receiving transaction (PostgreSQL), deleted by its commit. With its lock "
+    "on lease_key free and no commit marker, its reader died holding messages (a rollback)."
 )
 
 

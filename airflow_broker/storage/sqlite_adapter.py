@@ -1,0 +1,206 @@
+"""SQLite's adapter (see storage.adapters): single-writer transactions, ``PRAGMA data_version``
+polling for waits, and receive leases as ``flock``ed files beside the database."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event, text
+from sqlalchemy.engine import Connection, Engine
+
+from airflow_broker.storage.adapter_base import FailedHold, ReceiveLease, WaitState
+
+
+class SqliteAdapter:
+    """Single-writer transactions, data_version polling and flock leases."""
+
+    dialect = "sqlite"
+    POLL_SECONDS = 0.02
+    #: every connection may do everything: no client roles
+    client_role: str | None = None
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        database = engine.url.database
+        self._lease_dir: Path | None = None
+        if database and database != ":memory:" and not database.startswith("file::memory:"):
+            self._lease_dir = Path(database).resolve().with_name(Path(database).name + "-leases")
+        event.listen(engine, "connect", self._on_connect)
+        event.listen(engine, "begin", self._on_begin)
+
+    @staticmethod
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Take transaction control away from the driver, so that BEGIN is ours to emit.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA busy_timeout=60000")
+        cur.close()
+
+    @staticmethod
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    # -- waiting -------------------------------------------------------------------------------
+    @staticmethod
+    def _data_version(conn: Connection) -> int:
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        version: int = raw.execute("PRAGMA data_version").fetchone()[0]
+        return version
+
+    def start_wait(self, conn: Connection, queue_id: int, *, can_release: bool) -> WaitState:
+        state = WaitState(queue_id=queue_id)
+        if can_release:
+            # Nothing written yet: give the write lock back so that senders can commit.
+            conn.rollback()
+            state.released = True
+            state.data_version = self._data_version(conn)
+        return state
+
+    def wait(self, conn: Connection, state: WaitState, timeout: float) -> None:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        if not state.released:
+            time.sleep(min(timeout, 0.1))
+            return
+        if conn.in_transaction():
+            conn.rollback()
+        while time.monotonic() < deadline:
+            time.sleep(min(self.POLL_SECONDS, max(deadline - time.monotonic(), 0)))
+            version = self._data_version(conn)
+            if version != state.data_version:
+                state.data_version = version
+                return
+
+    def end_wait(self, state: WaitState) -> None:
+        """Nothing held."""
+
+    # -- leases --------------------------------------------------------------------------------
+    def new_lease_key(self) -> int | None:
+        return None  # the lease is a locked file, named when it is opened
+
+    def open_lease(
+        self, conn: Connection, queue_id: int, key: int | None, held: list[int]
+    ) -> ReceiveLease:
+        if self._lease_dir is None:
+            # an in-memory database dies with its process
+            return ReceiveLease(queue_id=queue_id, held=list(held))
+        self._lease_dir.mkdir(exist_ok=True)
+        path = self._lease_dir / f"{os.getpid()}-{uuid.uuid4().hex}.lease"
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        lease = ReceiveLease(queue_id=queue_id, path=path, fd=fd)
+        self.hold_more(lease, held)
+        return lease
+
+    def hold_more(self, lease: ReceiveLease, held: list[int]) -> None:
+        """The file says which queue and which messages: ``{"queue_id": 1, "held": [...]}``."""
+        lease.held.extend(held)
+        if lease.fd is not None:
+            data = json.dumps({"queue_id": lease.queue_id, "held": lease.held}).encode()
+            os.ftruncate(lease.fd, 0)
+            os.pwrite(lease.fd, data, 0)
+
+    def leases_committing(self, conn: Connection, leases: list[ReceiveLease]) -> None:
+        # The files go after the commit (close_leases); the commit breaks the run of rollbacks.
+        conn.execute(
+            text(
+                "UPDATE broker_queue SET rollback_count = 0 "
+                "WHERE queue_id IN (SELECT value FROM json_each(:queue_ids)) AND rollback_count > 0"
+            ),
+            {"queue_ids": json.dumps(sorted({lease.queue_id for lease in leases}))},
+        )
+
+    def close_leases(self, leases: list[ReceiveLease]) -> None:
+        # Unlink before unlocking: a reaper that gets the lock then sees the file is gone.
+        for lease in leases:
+            if lease.path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    lease.path.unlink()
+            if lease.fd is not None:
+                os.close(lease.fd)
+                lease.fd = None
+
+    def forget_leases(self, conn: Connection, leases: list[ReceiveLease]) -> list[FailedHold]:
+        self.close_leases(leases)
+        return [FailedHold(lease.queue_id, tuple(lease.held)) for lease in leases]
+
+    def reap_dead_leases(self, conn: Connection) -> list[FailedHold]:
+        if self._lease_dir is None or not self._lease_dir.exists():
+            return []
+        dead: list[FailedHold] = []
+        for path in self._lease_dir.glob("*.lease"):
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # its reader is alive
+            try:
+                if os.fstat(fd).st_ino != path.stat().st_ino:
+                    continue
+            except FileNotFoundError:
+                continue  # committed (or rolled back and counted) just now
+            finally:
+                pass
+            try:
+                content = _read_all(fd)
+                path.unlink()
+                dead.append(_lease_file(content))
+            finally:
+                os.close(fd)
+        return dead
+
+    def dead_leases(self, conn: Connection) -> list[tuple[str, int]]:
+        """Read-only: (lease file, queue id) of lease files whose lock is free: their reader died
+        holding messages and no due-work pass has counted it yet."""
+        if self._lease_dir is None or not self._lease_dir.exists():
+            return []
+        dead: list[tuple[str, int]] = []
+        for path in sorted(self._lease_dir.glob("*.lease")):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # its reader is alive
+            try:
+                dead.append((f"lease file {path.name}", _lease_file(_read_all(fd)).queue_id))
+            finally:
+                os.close(fd)  # closing releases the probe's shared lock
+        return dead
+
+    def dispose(self) -> None:
+        """Nothing held outside the pool."""
+
+
+def _read_all(fd: int) -> str:
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode()
+
+
+def _lease_file(content: str) -> FailedHold:
+    """A lease file's content (a bare queue id, as files written before 0.1 held, or JSON)."""
+    if not content.strip():
+        return FailedHold(0, ())
+    if content.lstrip().startswith("{"):
+        d = json.loads(content)
+        return FailedHold(int(d["queue_id"]), tuple(d.get("held", ())))
+    return FailedHold(int(content), ())
+
+
+__all__ = ["SqliteAdapter"]
