@@ -45,7 +45,7 @@ from airflow_broker.errors import InvalidDefinition
 from airflow_broker.messaging.duework import run_due
 from airflow_broker.operations.housekeeping import Retention, housekeeping_step
 from airflow_broker.storage import schema as s
-from airflow_broker.storage.adapters import TRANSMIT_CHANNEL, PostgresAdapter
+from airflow_broker.storage.adapters import TRANSMIT_CHANNEL
 from airflow_broker.storage.clock import aware, utcnow
 from airflow_broker.transport import DeliveryReport, Transport, inbox
 
@@ -133,7 +133,7 @@ def _lock_file(broker: BrokerContext) -> Path | None:
 def transmitter_lock(broker: BrokerContext) -> Iterator[bool]:
     """Hold this database's transmitter lock for the ``with`` block; yields False (holding
     nothing) when another transmitter holds it."""
-    if broker.dialect == "postgresql" and _pooled(broker):
+    if broker.dialect == "postgresql" and broker.adapter.pooled:
         # Behind a transaction-mode pooler a session lock would stay with a server process
         # that others go on using: a transaction-level lock in a transaction kept open for the
         # run instead (idle between statements: it holds no snapshot back from VACUUM), which
@@ -190,11 +190,6 @@ def transmitter_lock(broker: BrokerContext) -> Iterator[bool]:
                 fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
-
-
-def _pooled(broker: BrokerContext) -> bool:
-    adapter = broker.adapter
-    return isinstance(adapter, PostgresAdapter) and adapter.pooled
 
 
 def transmitter_running(broker: BrokerContext) -> bool:

@@ -57,7 +57,6 @@ from airflow_broker.routing.routes import routes_of
 from airflow_broker.spark import commit, direct_task, jdbc, transforms
 from airflow_broker.spark.direct import Written, write_direct
 from airflow_broker.storage import schema as s
-from airflow_broker.storage.adapters import PostgresAdapter
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.identity import copy_refusal
 from airflow_broker.transport import Inbound, Unreachable, env_name, resolve
@@ -309,12 +308,11 @@ def run(
         # The grouped read sets work_mem on its JDBC session (Spark runs the statement before
         # the read's transaction begins). Behind a transaction-mode pooler that session setting
         # would stay on a server process others use next: the server's own work_mem then.
-        pooled = isinstance(source.adapter, PostgresAdapter) and source.adapter.pooled
         conv = jdbc.read_conversations(
             spark,
             source.engine.url,
             due_by=due_by,
-            work_mem=None if pooled else source_work_mem,
+            work_mem=None if source.adapter.pooled else source_work_mem,
         )
     else:
         conv = transforms.conversations(pending, with_body=classifier is not None)

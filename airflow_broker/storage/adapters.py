@@ -75,7 +75,7 @@ class PostgresAdapter:
         self._pooled = pooled
         self._listen_params: dict[str, Any] | None = None
         if listen_url is not None:
-            self._listen_params = _connect_params(create_engine_url(listen_url), engine)
+            self._listen_params = _connect_params(broker_url(listen_url), engine)
         #: receive-lease rows are written here, outside the readers' transactions
         self._side = SideWriter(self._raw_connect, pooled=lambda: self.pooled)
         #: owner or client role (storage.roles): a client role's connections see the views
@@ -394,8 +394,8 @@ _LEASE_UNLOCKED = (
 )
 
 
-def create_engine_url(url: str) -> URL:
-    """``url`` parsed, ``postgresql://`` meaning psycopg 3 as in ``Broker.connect``."""
+def broker_url(url: str) -> URL:
+    """``url`` parsed, ``postgresql://`` meaning psycopg 3 (``Broker.connect``, ``listen_url``)."""
     parsed = make_url(url)
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
@@ -443,6 +443,6 @@ __all__ = [
     "SqliteAdapter",
     "WaitState",
     "adapter_for",
+    "broker_url",
     "channel",
-    "create_engine_url",
 ]

@@ -15,14 +15,19 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Self, TypeVar
 
-from sqlalchemy import create_engine, make_url, select
+from sqlalchemy import create_engine, select
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import OperationalError, ProgrammingError
 from sqlalchemy.pool import StaticPool
 
 from airflow_broker.errors import BrokerError, PermissionDenied
 from airflow_broker.storage import schema as s
-from airflow_broker.storage.adapters import PostgresAdapter, SqliteAdapter, adapter_for
+from airflow_broker.storage.adapters import (
+    PostgresAdapter,
+    SqliteAdapter,
+    adapter_for,
+    broker_url,
+)
 from airflow_broker.storage.clock import utcnow
 
 T = TypeVar("T")
@@ -89,9 +94,7 @@ class BrokerContext:
         ``postgresql+psycopg://user@host/db``; ``postgresql://`` means psycopg 3). The same URL
         works through PgBouncer in transaction mode; ``pooled`` and ``listen_url`` are for the
         rare set-up the engine cannot tell apart on its own (see :class:`BrokerContext`)."""
-        parsed = make_url(url)
-        if parsed.drivername in ("postgresql", "postgres"):
-            parsed = parsed.set(drivername="postgresql+psycopg")
+        parsed = broker_url(url)
         if parsed.get_backend_name() == "sqlite":
             if parsed.database in (None, "", ":memory:"):
                 engine_kwargs.setdefault("poolclass", StaticPool)

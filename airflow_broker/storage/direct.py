@@ -314,7 +314,7 @@ def _stop_preparing(engine: Engine, prepared: set[str], why: object) -> None:
         engine.url.render_as_string(hide_password=True),
         why,
     )
-    _inline_engines.add(engine)
+    stop_preparing(engine)
     prepared.clear()
 
 

@@ -25,6 +25,8 @@ class SqliteAdapter:
     POLL_SECONDS = 0.02
     #: every connection may do everything: no client roles
     client_role: str | None = None
+    #: no pooler in front of a file
+    pooled = False
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine

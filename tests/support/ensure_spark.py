@@ -37,8 +37,15 @@ def java_version() -> tuple[int, str] | None:
     return (int(found.group(1)) if found else 0), first
 
 
+#: The Spark cluster test's worker runs Debian's Python, which lacks airflow_broker
+#: (tests/support/spark_cluster.py): the executors must get it from the shipped archive.
+WORKER_PYTHON = Path("/usr/bin/python3")
+
+
 def missing() -> list[str]:
     packages = [pkg for jar, pkg in JARS.items() if not Path(jar).exists()]
+    if not WORKER_PYTHON.exists():
+        packages.append("python3")
     java = java_version()
     if java is None or java[0] < MIN_JAVA:
         packages.append(JAVA_PACKAGE)
