@@ -1,5 +1,5 @@
-"""Installing Debian packages for the test set-up (ensure_postgres.py, ensure_browser.py,
-ensure_spark.py): apt-get, non-interactive; exits saying what could not be installed."""
+"""Installing Debian packages for the test set-up (the ensure_*.py scripts beside this one):
+apt-get, non-interactive; exits saying what could not be installed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def install(packages: Sequence[str], *, recommends: bool = False) -> None:
@@ -26,3 +26,17 @@ def install(packages: Sequence[str], *, recommends: bool = False) -> None:
         )
     except subprocess.CalledProcessError as exc:
         sys.exit(f"installing {names} failed: {exc}")
+
+
+def ensure(package: str, binary: str, version: Callable[[], str | None]) -> str:
+    """``version()`` of ``binary`` (None: missing or not running); when None, install
+    ``package`` and ask again. Returns the version line; exits non-zero saying why when the
+    package does not make it run."""
+    found = version()
+    if found is None:
+        print(f"{binary} is missing or does not run; installing Debian's {package}", flush=True)
+        install([package])
+        found = version()
+    if found is None:
+        sys.exit(f"{binary} does not run after installing Debian's {package} package")
+    return found

@@ -10,7 +10,6 @@ saying why when it cannot.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import apt_packages  # this folder: the scripts run from here
@@ -35,18 +34,8 @@ def version() -> str | None:
     return lines[-1].strip() if done.returncode == 0 and lines else None
 
 
-def install() -> None:
-    apt_packages.install(["chromium"])
-
-
 def main() -> None:
-    found = version()
-    if found is None:
-        print(f"{CHROMIUM} is missing or does not run; installing it", flush=True)
-        install()
-        found = version()
-    if found is None:
-        sys.exit(f"{CHROMIUM} does not run after installing Debian's chromium package")
+    found = apt_packages.ensure("chromium", str(CHROMIUM), version)
     print(f"browser: {found} at {CHROMIUM}")
 
 

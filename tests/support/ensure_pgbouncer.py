@@ -29,13 +29,7 @@ def version() -> str | None:
 
 
 def main() -> None:
-    found = version()
-    if found is None:
-        print(f"{BINARY} is missing; installing Debian's pgbouncer", flush=True)
-        apt_packages.install(["pgbouncer"])
-        found = version()
-    if found is None:
-        sys.exit(f"{BINARY} does not run after installing Debian's pgbouncer package")
+    found = apt_packages.ensure("pgbouncer", BINARY, version)
     try:
         pwd.getpwnam("postgres")
     except KeyError:

@@ -11,7 +11,6 @@ when it cannot. The service the package may start on 6379 is not what the tests 
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import apt_packages  # this folder: the scripts run from here
@@ -33,18 +32,8 @@ def version() -> str | None:
     return line if done.returncode == 0 and line.startswith("Redis server") else None
 
 
-def install() -> None:
-    apt_packages.install(["redis-server"])
-
-
 def main() -> None:
-    found = version()
-    if found is None:
-        print(f"{REDIS_SERVER} is missing or does not run; installing it", flush=True)
-        install()
-        found = version()
-    if found is None:
-        sys.exit(f"{REDIS_SERVER} does not run after installing Debian's redis-server package")
+    found = apt_packages.ensure("redis-server", str(REDIS_SERVER), version)
     print(f"redis: {found} at {REDIS_SERVER}")
 
 
