@@ -110,6 +110,30 @@ def test_broker_connection_reaches_a_real_postgres_database(
         expected.dispose()
 
 
+def test_the_extras_listen_url_and_pooled_reach_the_broker(
+    monkeypatch: pytest.MonkeyPatch, pg_url: str, postgres_server: Any
+) -> None:
+    """Behind PgBouncer: ``listen_url`` (a direct URL for LISTEN) and ``pooled`` from the
+    connection's extra; a ``pooled`` that is no boolean is refused by name."""
+    url = make_url(pg_url)
+    direct = postgres_server.direct_url_for(url.database)
+    fields = {"conn_type": "broker", "host": url.host, "port": url.port, "schema": url.database}
+    fields["login"] = url.username
+    set_connection(
+        monkeypatch, "pg_pooled", **fields, extra={"pooled": "true", "listen_url": direct}
+    )
+    hook = BrokerHook(broker_conn_id="pg_pooled")
+    try:
+        adapter = hook.get_broker().adapter
+        assert adapter.pooled is True
+        assert adapter.listens  # type: ignore[union-attr]  # on listen_url, though pooled
+    finally:
+        hook.close()
+    set_connection(monkeypatch, "pg_bad", **fields, extra={"pooled": "sometimes"})
+    with pytest.raises(ValueError, match=r"'pg_bad'.*'pooled' must be true or false"):
+        BrokerHook(broker_conn_id="pg_bad").get_broker()
+
+
 # --------------------------------------------------------------------------------------------
 # no connection: the embedded store
 
