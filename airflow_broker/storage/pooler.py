@@ -46,7 +46,7 @@ _ASK = "SELECT inet_client_port(), inet_server_port(), current_setting('port')"
 
 
 @dataclass(frozen=True, slots=True)
-class Path:
+class Finding:
     """What the two ends of one connection say: ``pooled`` when they disagree."""
 
     pooled: bool
@@ -54,7 +54,7 @@ class Path:
     detail: str
 
 
-def inspect(dbapi_conn: Any) -> Path:
+def inspect(dbapi_conn: Any) -> Finding:
     """Compare ``dbapi_conn``'s socket (a psycopg connection) with what the server sees."""
     autocommit = dbapi_conn.autocommit
     dbapi_conn.autocommit = True
@@ -73,7 +73,7 @@ def inspect(dbapi_conn: Any) -> Path:
             f"connected to socket {name or '?'}; the server listens on port {setting_port} "
             f"and sees its client at port {seen_client_port or 'a Unix socket'}"
         )
-        return Path(not direct, detail)
+        return Finding(not direct, detail)
     local_port = local[1] if isinstance(local, tuple) else None
     peer_port = peer[1] if isinstance(peer, tuple) else None
     direct = seen_client_port == local_port and server_port in (peer_port, None)
@@ -81,7 +81,7 @@ def inspect(dbapi_conn: Any) -> Path:
         f"connected from port {local_port} to port {peer_port}; the server sees its client at "
         f"port {seen_client_port} and listens on port {server_port or setting_port}"
     )
-    return Path(not direct, detail)
+    return Finding(not direct, detail)
 
 
 def _ends(fd: int) -> tuple[int, Any, Any]:
@@ -95,4 +95,4 @@ def _ends(fd: int) -> tuple[int, Any, Any]:
         sock.close()
 
 
-__all__ = ["Path", "inspect"]
+__all__ = ["Finding", "inspect"]
