@@ -10,9 +10,10 @@ transaction of its own, and readers that RECEIVE and COMMIT, retention off. Two 
 turns round by round in one run: ``airflow-broker`` straight to the server, and
 ``airflow-broker-pgbouncer``, whose producer and readers connect to a PgBouncer this run starts
 in front of the same server (``pool_mode = transaction``, as Airflow's Helm chart deploys it;
-tests/support/pgbouncer.py). Behind it the broker finds the pooler on its first connection and
-sends its statements whole instead of preparing them, and its receive leases as unnamed
-statements (storage.pooler); every statement also takes the pooler's hop.
+tests/support/pgbouncer.py). Behind it the broker finds the pooler on its first connection
+(storage.pooler) and sends its statements whole instead of preparing them, except the claim,
+which it prepares on each server process that runs it, and its receive leases as unnamed
+statements; every statement also takes the pooler's hop.
 
 Output: the table, then::
 

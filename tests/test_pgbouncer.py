@@ -308,6 +308,52 @@ def test_no_session_setting_reaches_the_pools_other_clients(
         broker.dispose()
 
 
+def _prepared_on_each_server_process(url: str, *, deallocate: bool = False) -> list[set[str]]:
+    """The names of the statements prepared on each of a two-process pool's server processes
+    (two clients in transactions at once hold both); ``deallocate``: then drop them all."""
+    conninfo = make_url(url).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(conninfo) as one, psycopg.connect(conninfo) as two:
+        names = [
+            {row[0] for row in conn.execute("SELECT name FROM pg_prepared_statements")}
+            for conn in (one, two)
+        ]
+        if deallocate:
+            for conn in (one, two):
+                conn.execute("DEALLOCATE ALL")
+    return names
+
+
+def test_receive_s_claim_is_prepared_on_the_server_process_that_runs_it(
+    small_pool: PgBouncer,
+    postgres_server,  # type: ignore[no-untyped-def]
+) -> None:
+    """Behind a pooler the claim is still prepared (planning it costs more than running it):
+    on whichever server process a transaction gets, where that process does not have it yet,
+    and again where it was lost (another client's DEALLOCATE ALL)."""
+    name = _names(postgres_server.create_database())
+    url = small_pool.url(name)
+    broker = Broker.connect(url)
+    try:
+        declare_pair(broker)
+        send(broker, begin(broker), NOTE, *[str(i).encode() for i in range(40)])
+        got: list[bytes] = []
+
+        def receive_some(n: int) -> None:
+            for _ in range(n):
+                with broker.transaction() as tx:
+                    got.extend(m.message_body for m in tx.receive(SUPPLIER_QUEUE, top=1))
+
+        receive_some(20)
+        claims = set().union(*_prepared_on_each_server_process(url, deallocate=True))
+        assert any(n.startswith("broker_") for n in claims), claims
+        assert set().union(*_prepared_on_each_server_process(url)) == set()
+        receive_some(20)
+        assert got == [str(i).encode() for i in range(40)]
+        assert set().union(*_prepared_on_each_server_process(url)) == claims
+    finally:
+        broker.dispose()
+
+
 def test_the_schema_migrates_through_the_pooler(
     pgbouncer: PgBouncer,
     postgres_server,  # type: ignore[no-untyped-def]

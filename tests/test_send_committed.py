@@ -103,8 +103,11 @@ def test_postgres_sends_the_commit_in_the_send_query(
     pg_broker.send(h1, NOTE, b"a")
     pg_broker.send([h1, h2], NOTE, b"b")
     assert len(sent) == 2, sent  # one query each
-    assert all(b";BEGIN;EXECUTE " in q or q.startswith(b"BEGIN;") for q in sent)
-    assert all(q.endswith(b";COMMIT") for q in sent)
+    for q in sent:
+        # PREPARE; BEGIN; EXECUTE; COMMIT the first time on a direct connection; behind a
+        # pooler one unnamed statement the server commits (the extended protocol's Sync).
+        committing = b";BEGIN;EXECUTE " in q or q.startswith(b"BEGIN;")
+        assert (committing and q.endswith(b";COMMIT")) or q.endswith(b" autocommit)"), q
     monkeypatch.setattr(direct, "observer", None)
     got = supplier_bodies(pg_broker) + supplier_bodies(pg_broker)
     assert sorted(got) == [b"a", b"b", b"b", b"first", b"first"]

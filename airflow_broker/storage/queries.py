@@ -302,8 +302,10 @@ def claim_prepared(
         return f"${names.index(name) + 1}"
 
     numbered = _BOUND_NAME.sub(number, sql)
-    # Planned with index scans, whatever the queue's size when it is planned (direct.Prepared).
-    prepared = direct.Prepared(numbered, [_CLAIM_PARAM_TYPES[n] for n in names], index_scans=True)
+    # Planned with index scans, whatever the queue's size when it is planned; prepared behind
+    # a pooler too, its plan costing more than its run (direct.Prepared).
+    types = [_CLAIM_PARAM_TYPES[n] for n in names]
+    prepared = direct.Prepared(numbered, types, index_scans=True, costly_plan=True)
     return prepared, tuple(names)
 
 
