@@ -344,13 +344,13 @@ class Broker(BrokerContext):
     def certificates(self, expiring_within: timedelta | None = None) -> list[CertificateRow]:
         """Every certificate (never a private key), the one ending first first; with
         ``expiring_within``, only those ending within it (expired ones included)."""
-        with self.engine.connect() as conn:
+        with self.read_connection() as conn:
             return certificate_store.certificates(conn, expiring_within=expiring_within)
 
     def export_certificate(self, name: str) -> str:
         """The public PEM of certificate ``name`` (never its private key): what the far broker
         imports with :meth:`import_certificate` (CLI: ``certificate export``)."""
-        with self.engine.connect() as conn:
+        with self.read_connection() as conn:
             return certificate_store.certificate_pem(conn, name)
 
     # -- permissions (PostgreSQL; see airflow_broker.security.permissions) ----------------------
@@ -370,7 +370,7 @@ class Broker(BrokerContext):
 
     def permissions(self) -> list[Permission]:
         """Every SEND and RECEIVE granted, by permission, object and role ([] on SQLite)."""
-        with self.engine.connect() as conn:
+        with self.read_connection() as conn:
             return permission_store.permissions(conn)
 
     def configure(self, *, forwarding: bool | None = None, principal: bool | None = None) -> None:

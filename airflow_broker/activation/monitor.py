@@ -100,7 +100,7 @@ class Monitor:
 
     def state(self) -> MonitorState:
         """What this monitor recorded last (a fresh state if it never ran)."""
-        with self.broker.engine.connect() as conn:
+        with self.broker.read_connection() as conn:
             row = queue_row(conn, self.queue)
             return self._load(conn, row.queue_id) or MonitorState()
 

@@ -73,7 +73,7 @@ def readers(broker: BrokerContext, queue: str | None = None) -> list[ReaderRow]:
     )
     if queue is not None:
         stmt = stmt.where(s.queue.c.name == queue)
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         return [
             ReaderRow(
                 reader_id=r.reader_id,

@@ -206,7 +206,7 @@ class ActivationRunner:
             .select_from(m.join(s.queue, s.queue.c.queue_id == m.c.queue_id))
             .where(s.queue.c.name == self.queue, m.c.status == STATUS_READY)
         )
-        with self.broker.engine.connect() as conn:
+        with self.broker.read_connection() as conn:
             return int(conn.execute(stmt).scalar_one())
 
     def _reader_threads(self) -> list[threading.Thread]:

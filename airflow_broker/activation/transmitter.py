@@ -87,7 +87,7 @@ def backlog(broker: BrokerContext, now: datetime | None = None) -> Backlog:
     now = utcnow() if now is None else now
     t = s.transmission_queue
     due_rows = t.c.next_attempt_at <= now
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         row = conn.execute(
             select(
                 func.count().filter(due_rows),

@@ -81,7 +81,7 @@ def broker_settings(broker: Broker) -> dict[str, bool]:
     from airflow_broker.storage import schema
 
     t = schema.broker_instance
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         row = conn.execute(select(t.c.forwarding, t.c.principal)).first()
     if row is None:
         raise BrokerError(f"{broker!r} has no broker instance: run `airflow-broker migrate`")

@@ -446,7 +446,7 @@ def check(broker: BrokerContext, *, repair: bool = False, record: bool = True) -
 
 
 def _read(broker: BrokerContext) -> list[Problem]:
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         if broker.dialect == "postgresql":
             conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
         try:

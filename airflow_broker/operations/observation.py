@@ -37,7 +37,7 @@ from airflow_broker.storage.context import BrokerContext
 
 def catalog(broker: BrokerContext) -> Catalog:
     """Every object declared in this broker."""
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         mts = {
             r.name: MessageTypeDef(r.name, r.validation, r.json_schema)
             for r in conn.execute(select(s.message_type))
@@ -117,7 +117,7 @@ def queue_status(broker: BrokerContext) -> list[QueueStatus]:
         .order_by(s.queue.c.name)
     )
     now = utcnow()
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         rows = list(conn.execute(stmt))
     out = []
     for r in rows:
@@ -151,7 +151,7 @@ def transmission_summary(broker: BrokerContext) -> list[TransmissionSummary]:
         .group_by(t.c.to_service_name, t.c.transmission_status)
         .order_by(func.count().desc(), t.c.to_service_name)
     )
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         return [
             TransmissionSummary(
                 r.to_service_name,
@@ -169,7 +169,7 @@ def transmission_queue(broker: BrokerContext, limit: int | None = None) -> list[
     stmt = select(t).order_by(t.c.id)
     if limit is not None:
         stmt = stmt.limit(limit)
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         return [
             TransmissionRow(
                 id=r.id,
@@ -191,7 +191,7 @@ def transmission_queue(broker: BrokerContext, limit: int | None = None) -> list[
 def events(broker: BrokerContext, limit: int = 100) -> list[BrokerEvent]:
     """The most recent things the broker did on its own, newest first."""
     e = s.event
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         return [
             BrokerEvent(r.id, aware(r.occurred_at), r.event, r.object_name, r.detail)  # type: ignore[arg-type]
             for r in conn.execute(select(e).order_by(e.c.id.desc()).limit(limit))
@@ -286,7 +286,9 @@ def peek(
     A plain SELECT of the queue's ready messages (status 1): nothing is taken, no conversation
     group is locked, no count changes, and on PostgreSQL it neither waits for nor holds up a
     RECEIVE that holds a group (it sees the messages that RECEIVE took until it commits). On
-    SQLite it waits, like every read, while another transaction holds the database's write lock.
+    SQLite neither: it reads on a read-only connection (``BEGIN DEFERRED``,
+    :meth:`~airflow_broker.storage.context.BrokerContext.read_connection`), which sees the last
+    committed state while another transaction holds the database's write lock.
 
     Order: the whole queue in the order RECEIVE picks conversation groups (priority, highest
     first, then arrival: ``queuing_order``); with ``conversation_handle``, that dialog's messages
@@ -305,7 +307,7 @@ def peek(
         or a ``conversation_handle`` that is not a UUID.
     """
     handle = check_peek(top, offset, conversation_handle)
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         if broker.client_role is not None:  # a client role peeks where it may RECEIVE
             permissions.grants_of(conn, broker.client_role).require_receive(queue)
         queue_id = peek_queue(conn, queue).queue_id

@@ -236,7 +236,7 @@ def depth_samples(
     check_minutes(minutes)
     now = utcnow() if now is None else aware(now)
     assert now is not None
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         rows = conn.execute(
             select(_qs.c.sampled_at, _qs.c.depth)
             .where(_qs.c.queue_id == queue_id, _qs.c.sampled_at >= now - timedelta(minutes=minutes))

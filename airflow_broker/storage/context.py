@@ -29,6 +29,7 @@ from airflow_broker.storage.adapters import (
     broker_url,
 )
 from airflow_broker.storage.clock import utcnow
+from airflow_broker.storage.sqlite_adapter import READ_ONLY
 
 T = TypeVar("T")
 
@@ -127,6 +128,15 @@ class BrokerContext:
         rather than the owner; None for the owner and on SQLite. Known once a connection opened."""
         return self.adapter.client_role
 
+    def read_connection(self) -> Connection:
+        """A connection for work that only reads (peek, queue status, the monitoring views):
+        ``with broker.read_connection() as conn: ...``. On SQLite its transactions begin
+        DEFERRED and read the last committed state without waiting for a writer (a RECEIVE
+        holding its messages holds the database's write lock until it commits); a write on it
+        may fail at once, so nothing that writes uses it. On PostgreSQL it is a plain
+        connection (readers never wait for writers there)."""
+        return self.engine.connect().execution_options(**{READ_ONLY: True})
+
     def dispose(self) -> None:
         """Close every connection this broker holds."""
         self.adapter.dispose()
@@ -139,7 +149,7 @@ class BrokerContext:
         (``reset-identity --new-broker`` gives a copy a new one). Read once, and again when the
         transaction verbs re-read it (:meth:`instance_id_on`)."""
         if self._instance_id is None:
-            with self.engine.connect() as conn:
+            with self.read_connection() as conn:
                 self.instance_id_on(conn)
         assert self._instance_id is not None
         return self._instance_id

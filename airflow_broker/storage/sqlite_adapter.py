@@ -1,5 +1,13 @@
 """SQLite's adapter (see storage.adapters): single-writer transactions, ``PRAGMA data_version``
-polling for waits, and receive leases as ``flock``ed files beside the database."""
+polling for waits, and receive leases as ``flock``ed files beside the database.
+
+Every transaction begins ``BEGIN IMMEDIATE`` (it takes the database's one write lock at once, so
+two writers never deadlock upgrading a read lock), except on a connection marked read-only with
+the execution option :data:`READ_ONLY` (``BrokerContext.read_connection()`` opens one): that one
+begins ``BEGIN DEFERRED`` and, in WAL mode, reads the last committed state without waiting for a
+writer, a RECEIVE holding its messages included. A read-only connection must not write: its
+first write would have to take the write lock in the middle of the transaction, and fails at
+once (``SQLITE_BUSY``) when another transaction committed since it began reading."""
 
 from __future__ import annotations
 
@@ -16,6 +24,10 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, Engine
 
 from airflow_broker.storage.adapter_base import FailedHold, ReceiveLease, WaitState
+
+#: The execution option marking a connection that only reads (``conn.execution_options(
+#: broker_read_only=True)``): on SQLite its transactions begin DEFERRED, not IMMEDIATE.
+READ_ONLY = "broker_read_only"
 
 
 class SqliteAdapter:
@@ -50,7 +62,11 @@ class SqliteAdapter:
 
     @staticmethod
     def _on_begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        if conn.get_execution_options().get(READ_ONLY):
+            # A reader: it takes a snapshot at its first read and never waits for the writer.
+            conn.exec_driver_sql("BEGIN DEFERRED")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     # -- waiting -------------------------------------------------------------------------------
     @staticmethod
@@ -205,4 +221,4 @@ def _lease_file(content: str) -> FailedHold:
     return FailedHold(int(content), ())
 
 
-__all__ = ["SqliteAdapter"]
+__all__ = ["READ_ONLY", "SqliteAdapter"]

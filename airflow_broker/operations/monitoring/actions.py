@@ -95,7 +95,7 @@ def retry_transmission(
     if deliver:
         report = Transport(broker).deliver()
         data["delivery"] = dataclasses.asdict(report)
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         left = conn.execute(
             _transmission_select()
             .where(_t.c.conversation_handle == h)

@@ -45,7 +45,7 @@ def _state_counts(conn: Connection, conds: Sequence[Any] = ()) -> list[StateCoun
 
 def conversation_states(broker: BrokerContext, queue: str | None = None) -> list[StateCount]:
     """Conversation endpoints counted by state (every state, zeros included)."""
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         conds = [] if queue is None else [_e.c.queue_id == _queue_id(conn, queue)]
         return _state_counts(conn, conds)
 
@@ -123,7 +123,7 @@ def conversations(
         conds.append(_e.c.far_service == far_service)
     if is_initiator is not None:
         conds.append(_e.c.is_initiator.is_(bool(is_initiator)))
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         if queue is not None:
             conds.append(_e.c.queue_id == _queue_id(conn, queue))
         total = int(conn.execute(select(func.count()).select_from(_e).where(*conds)).scalar_one())
@@ -143,7 +143,7 @@ def conversations(
 def conversation(broker: BrokerContext, handle: uuid.UUID | str) -> ConversationInfo:
     """One conversation endpoint by its handle."""
     h = as_uuid(handle, "conversation handle")
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         rows = list(conn.execute(_endpoint_select().where(_e.c.conversation_handle == h)))
         if not rows:
             raise UnknownObject(f"conversation handle {h} does not exist in this broker")

@@ -152,7 +152,7 @@ def waiting_messages(
     check_page(limit, offset)
     _check_preview(preview_chars)
     handle = check_peek(limit, offset, conversation_handle)
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         q = peek_queue(conn, name)
         total = count_waiting(conn, q.queue_id, handle)
         _check_offset(offset, total, "waiting messages")
@@ -207,7 +207,7 @@ def queue_events(
     from it (``dead_lettered``), the queue disabled (``queue_disabled``: by poison handling or
     ALTER QUEUE) and re-enabled (``queue_enabled``)."""
     check_page(limit, offset)
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         peek_queue(conn, name)
     return events(broker, object_name=name, kinds=QUEUE_EVENT_KINDS, limit=limit, offset=offset)
 

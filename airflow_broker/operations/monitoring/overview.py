@@ -57,7 +57,7 @@ def events(
         conds.append(_ev.c.object_name == object_name)
     if kinds is not None:
         conds.append(_ev.c.event.in_(kinds))
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         total = int(conn.execute(select(func.count()).select_from(_ev).where(*conds)).scalar_one())
         _check_offset(offset, total, "events")
         items = [
@@ -74,7 +74,7 @@ def overview(broker: BrokerContext) -> Overview:
     from airflow_broker.transport import in_transit
 
     bi = s.broker_instance
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         me = conn.execute(select(bi.c.instance_id, bi.c.forwarding, bi.c.principal)).first()
         if me is None:
             raise BrokerError(f"{broker!r} is not migrated: run Broker.migrate()")
@@ -137,5 +137,5 @@ def certificates(broker: BrokerContext, *, expiring_within_days: int | None = No
                 f"{expiring_within_days!r}"
             )
         within = timedelta(days=expiring_within_days)
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         return list(certificate_store.certificates(conn, expiring_within=within))

@@ -87,7 +87,7 @@ def start_probe(
         )
     if body is not None and (not isinstance(body, str) or len(body) > 1000):
         raise InvalidDefinition("a probe body must be a string of at most 1000 characters")
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         prober = conn.execute(
             select(s.service.c.name).where(s.service.c.name == echo.PROBER_SERVICE)
         ).first()
@@ -122,7 +122,7 @@ def start_probe(
             _record(tx.connection, service, f"echo probe {sent.probe_id} sent", actor)
     except ConversationEnded as exc:
         raise InvalidDefinition(f"the probe of service {service!r} failed at once: {exc}") from exc
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         row = echo.probe_status(conn, sent.probe_id)
         assert row is not None
         return _probe_info(conn, row, service)
@@ -134,7 +134,7 @@ def probe(broker: BrokerContext, probe_id: str) -> ProbeInfo:
     and records the outcome as the reader would, after firing the probe's timer when its
     timeout has passed. ``round_trip_ms`` runs to the echo's arrival in the prober's queue."""
     _check_probe_id(probe_id)
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         if not inspect(conn).has_table(echo.echo_probe.name):
             raise UnknownObject(f"probe {probe_id} does not exist (no probe was ever sent)")
         row = echo.probe_status(conn, probe_id)
@@ -142,10 +142,10 @@ def probe(broker: BrokerContext, probe_id: str) -> ProbeInfo:
         raise UnknownObject(f"probe {probe_id} does not exist in this broker")
     if row["status"] == "waiting":
         _collect(broker, row)
-        with broker.engine.connect() as conn:
+        with broker.read_connection() as conn:
             row = echo.probe_status(conn, probe_id)
             assert row is not None
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         return _probe_info(conn, row)
 
 

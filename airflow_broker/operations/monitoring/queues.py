@@ -131,7 +131,7 @@ def _queue_infos(conn: Connection, name: str | None = None) -> list[QueueInfo]:
 
 def queues(broker: BrokerContext) -> list[QueueInfo]:
     """Every queue, by name: depth, oldest message, readers running, status, poison events."""
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         return _queue_infos(conn)
 
 
@@ -141,7 +141,7 @@ def queue_depth_history(
     """The depth samples of queue ``name`` (:mod:`airflow_broker.operations.sampling`) from the last
     ``minutes`` minutes (1..:data:`~airflow_broker.operations.sampling.MAX_HISTORY_MINUTES`)."""
     check_minutes(minutes)
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         queue_id = _queue_id(conn, name)
     return DepthHistory(name, minutes, depth_samples(broker, queue_id, minutes, now=now))
 
@@ -155,7 +155,7 @@ def _reader_state(r: Any) -> str:
 
 def queue(broker: BrokerContext, name: str) -> QueueDetail:
     """One queue, with its most recent readers and poison events."""
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         queue_id = _queue_id(conn, name)
         (info,) = _queue_infos(conn, name)
         readers = [
@@ -191,7 +191,7 @@ def queue(broker: BrokerContext, name: str) -> QueueDetail:
 
 def services(broker: BrokerContext) -> list[ServiceInfo]:
     """Every service, by name: its queue, contracts, and how many conversations it has."""
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         contracts: dict[str, list[str]] = {}
         for r in conn.execute(
             select(s.service_contract).order_by(s.service_contract.c.contract_name)
@@ -221,7 +221,7 @@ def services(broker: BrokerContext) -> list[ServiceInfo]:
 def contracts(broker: BrokerContext) -> list[ContractInfo]:
     """Every contract, by name: its message types, who sends each, their validation, and the
     services that accept it."""
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         validation = _pairs(
             conn,
             select(s.message_type.c.name, s.message_type.c.validation),

@@ -92,7 +92,7 @@ def transmission_queue(
     if to_service is not None:
         conds.append(_t.c.to_service_name == to_service)
     now = utcnow()
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         total = int(conn.execute(select(func.count()).select_from(_t).where(*conds)).scalar_one())
         _check_offset(offset, total, "messages")
         rows = conn.execute(
@@ -127,7 +127,7 @@ def _route_kind(address: str) -> str:
 def routes(broker: BrokerContext) -> list[RouteInfo]:
     """Every route, by name, with whether it has expired."""
     now = utcnow()
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         out = []
         for r in conn.execute(select(s.route).order_by(s.route.c.name)):
             expires = aware(r.expires_at)
@@ -149,7 +149,7 @@ def routes(broker: BrokerContext) -> list[RouteInfo]:
 def routing_services(broker: BrokerContext) -> list[RoutingServiceInfo]:
     """The data-dependent routing services, with how many mappings each holds."""
     rs, rc = s.routing_service, s.resolved_conversation
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         counts = _pairs(
             conn,
             select(rc.c.routing_service, func.count()).group_by(rc.c.routing_service),
@@ -183,7 +183,7 @@ def routing_mappings(
         conds.append(rc.c.routing_service == routing_service)
     if target_service is not None:
         conds.append(rc.c.target_service == target_service)
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         total = int(conn.execute(select(func.count()).select_from(rc).where(*conds)).scalar_one())
         _check_offset(offset, total, "mappings")
         stmt = (

@@ -55,7 +55,7 @@ def conversation_ready(
     """
     handle = as_uuid(conversation_handle, "conversation handle")
     e, m = s.conversation_endpoint, s.message
-    with broker.engine.connect() as conn:
+    with broker.read_connection() as conn:
         qid = conn.execute(select(s.queue.c.queue_id).where(s.queue.c.name == queue)).scalar()
         if qid is None:
             raise UnknownObject(f"queue {queue!r} does not exist in this broker")
@@ -194,7 +194,7 @@ class ConversationMessageTrigger(BaseTrigger):
             await self.cleanup()
 
     def _queue_id(self, broker: Broker) -> int:
-        with broker.engine.connect() as conn:
+        with broker.read_connection() as conn:
             qid = conn.execute(
                 select(s.queue.c.queue_id).where(s.queue.c.name == self.queue_name)
             ).scalar()
