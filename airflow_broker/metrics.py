@@ -11,10 +11,14 @@ see :mod:`airflow_broker.provider.stats`; anything else with ``gauge(name, value
 Metrics (names before Airflow's ``statsd_prefix``):
 
 =====================================  =======  ==================================================
-``broker.queue_depth.<queue>``         gauge    ready messages of a queue, at each depth sample
+``broker.queue_depth.<queue>``         gauge    messages of a queue a reader could take now
+                                                (held and leased ones are not), at each depth sample
                                                 (:func:`airflow_broker.operations.sampling.sample_queue_depths`)
-``broker.queue_oldest_age.<queue>``    gauge    seconds the oldest ready message of a queue has
-                                                waited (0 when none waits), at each depth sample
+``broker.queue_held.<queue>``          gauge    messages whose conversation group waits out a
+                                                failed attempt's backoff (``retry_delay``)
+``broker.queue_leased.<queue>``        gauge    messages a lease holds (``Broker.lease``)
+``broker.queue_oldest_age.<queue>``    gauge    seconds the oldest message a reader could take
+                                                now has waited (0 when none), at each sample
 ``broker.transmission_queue.depth``    gauge    messages waiting to leave (transmission queue)
 ``broker.transmission_queue.oldest_age`` gauge  seconds the oldest of them has waited (0: none)
 ``broker.messages_sent``               counter  messages SENT by committed transactions (one per
@@ -44,6 +48,8 @@ from typing import Protocol
 log = logging.getLogger("airflow_broker.metrics")
 
 QUEUE_DEPTH = "broker.queue_depth"
+QUEUE_HELD = "broker.queue_held"
+QUEUE_LEASED = "broker.queue_leased"
 QUEUE_OLDEST_AGE = "broker.queue_oldest_age"
 TRANSMISSION_DEPTH = "broker.transmission_queue.depth"
 TRANSMISSION_OLDEST_AGE = "broker.transmission_queue.oldest_age"
@@ -134,6 +140,8 @@ __all__ = [
     "MESSAGES_SENT",
     "QUEUES_DISABLED",
     "QUEUE_DEPTH",
+    "QUEUE_HELD",
+    "QUEUE_LEASED",
     "QUEUE_OLDEST_AGE",
     "TRANSMISSION_DEPTH",
     "TRANSMISSION_OLDEST_AGE",

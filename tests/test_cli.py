@@ -890,13 +890,23 @@ def test_status_table(busy_url: str, run: Run) -> None:
     assert lines[1] == f"broker instance: {instance_id(busy_url)}"
     assert lines[2] == "forwarding: off; principal: yes"
     header = next(i for i, line in enumerate(lines) if line.startswith("QUEUE"))
-    assert lines[header].split() == ["QUEUE", "STATUS", "DEPTH", "OLDEST", "GROUPS", "ROLLBACKS"]
+    assert lines[header].split() == [
+        "QUEUE",
+        "STATUS",
+        "DEPTH",
+        "HELD",
+        "UNTIL",
+        "LEASED",
+        "OLDEST",
+        "GROUPS",
+        "ROLLBACKS",
+    ]
     rows = {line.split()[0]: line.split() for line in lines[header + 1 :] if line.strip()}
-    assert rows["Inbox"][1:3] == ["enabled", "4"]
-    assert re.fullmatch(r"\d+s", rows["Inbox"][3])  # sent a moment ago
-    assert rows["Inbox"][4:] == ["3", "0"]
-    assert rows["Outbox"][1:] == ["enabled", "0", "-", "0", "0"]
-    assert rows["Parked"][1:] == ["DISABLED", "0", "-", "0", "0"]
+    assert rows["Inbox"][1:6] == ["enabled", "4", "0", "-", "0"]
+    assert re.fullmatch(r"\d+s", rows["Inbox"][6])  # sent a moment ago
+    assert rows["Inbox"][7:] == ["3", "0"]
+    assert rows["Outbox"][1:] == ["enabled", "0", "0", "-", "0", "-", "0", "0"]
+    assert rows["Parked"][1:] == ["DISABLED", "0", "0", "-", "0", "-", "0", "0"]
     # Forwarding is off: no transit line, the transmission queue ends the output.
     assert lines[-3] == "transmission queue: 1 message waiting"
     assert lines[-2].split() == ["COUNT", "OLDEST", "TO", "SERVICE", "REASON"]

@@ -280,6 +280,10 @@ def test_metrics_reach_statsd_through_airflow_stats(tmp_path: Path) -> None:
     assert gauges == {
         "brokertest.broker.queue_depth.buyer_queue": 0,
         "brokertest.broker.queue_depth.supplier_queue": 2,
+        "brokertest.broker.queue_held.buyer_queue": 0,
+        "brokertest.broker.queue_held.supplier_queue": 0,
+        "brokertest.broker.queue_leased.buyer_queue": 0,
+        "brokertest.broker.queue_leased.supplier_queue": 0,
         "brokertest.broker.queue_oldest_age.buyer_queue": 0,
         "brokertest.broker.transmission_queue.depth": 0,
         "brokertest.broker.transmission_queue.oldest_age": 0,

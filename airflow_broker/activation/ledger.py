@@ -21,17 +21,15 @@ from airflow_broker.activation.decision import (
     START_TIMEOUT_SECONDS,
     QueueObservation,
 )
-from airflow_broker.constants import STATUS_READY
 from airflow_broker.errors import UnknownObject
 from airflow_broker.messaging.definitions import Activation
+from airflow_broker.storage import readiness
 from airflow_broker.storage import schema as s
-from airflow_broker.storage.clock import aware
 
 # ---------------------------------------------------------------------------------------------
 # Observation and bookkeeping (shared by the monitor and reader registration)
 # ---------------------------------------------------------------------------------------------
 
-_m = s.message
 _r = s.activation_reader
 _a = s.activation_monitor
 
@@ -58,35 +56,24 @@ def queue_row(conn: Connection, queue: str) -> Any:
 
 
 def observe(conn: Connection, row: Any) -> QueueObservation:
-    ready = conn.execute(
-        select(
-            func.count(),
-            func.count(func.distinct(_m.c.conversation_group_id)),
-            func.max(_m.c.queuing_order),
-            func.min(_m.c.queuing_order),
-            func.max(_m.c.enqueued_at),
-            func.min(_m.c.enqueued_at),
-        ).where(_m.c.queue_id == row.queue_id, _m.c.status == STATUS_READY)
-    ).one()
+    """What the monitor sees of queue ``row``: only messages a reader could take now
+    (:mod:`~airflow_broker.storage.readiness`). Messages whose group is held after a failed
+    attempt or leased are not counted: a queue that holds only those starts no reader (it would
+    find nothing to RECEIVE) until a hold ends."""
+    counted = readiness.tally(conn, queue_ids=[row.queue_id]).get(row.queue_id)
+    ready = counted.ready if counted is not None else readiness.EMPTY
     return QueueObservation(
         queue_id=row.queue_id,
         enabled=bool(row.status),
         activation=Activation.from_value(row.activation) or Activation(),
-        depth=int(ready[0] or 0),
-        groups_ready=int(ready[1] or 0),
-        high_water=ready[2],
-        low_water=ready[3],
-        newest_at=_timestamp(ready[4]),
-        oldest_at=_timestamp(ready[5]),
+        depth=ready.messages,
+        groups_ready=ready.groups,
+        high_water=ready.high_water,
+        low_water=ready.low_water,
+        newest_at=ready.newest_enqueued_at,
+        oldest_at=ready.oldest_enqueued_at,
         monotonic_order=conn.dialect.name == "postgresql",
     )
-
-
-def _timestamp(value: Any) -> datetime | None:
-    """min()/max() of a timestamp: SQLite hands back the stored text."""
-    if isinstance(value, str):
-        value = datetime.fromisoformat(value)
-    return aware(value)
 
 
 def tidy(conn: Connection, queue_id: int, obs: QueueObservation | None, now: datetime) -> None:

@@ -170,7 +170,9 @@ class ActivationRunner:
 
     def run_until_idle(self, timeout: float | None = None) -> RunnerReport:
         """Run until the queue is empty and no reader runs (or ``timeout`` seconds pass: then
-        :class:`TimeoutError`); returns the report."""
+        :class:`TimeoutError`); returns the report. Empty means no message at all: messages
+        held after a failed attempt, or leased, are waited for (readers start for them only
+        when they can be taken)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         started_here = self._thread is None
         if started_here:
@@ -181,7 +183,7 @@ class ActivationRunner:
                     break
                 with self._lock:
                     idle = self._running == 0 and not self._reader_threads()
-                if idle and self._depth() == 0:
+                if idle and self._waiting() == 0:
                     with self._lock:
                         if self._running == 0 and not self._reader_threads():
                             break
@@ -199,7 +201,13 @@ class ActivationRunner:
         return self.report
 
     # -- the monitor ---------------------------------------------------------------------------
-    def _depth(self) -> int:
+    def _waiting(self) -> int:
+        """Messages the queue still holds for its readers: ready, held and leased alike.
+
+        Not the depth activation counts (ready messages only, which is what the monitor
+        decides on): :meth:`run_until_idle` runs until the queue is *empty*, so it waits out a
+        group held after a failed attempt (the monitor starts a reader when the hold ends) and
+        a lease (completed, or back in the queue when it expires)."""
         m = s.message
         stmt = (
             select(func.count())

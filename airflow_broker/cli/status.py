@@ -1,6 +1,8 @@
-"""``status``: queues, settings, whether the database is a copy (``identity``), what waits
-to leave (transmission queue, in transit), by target service and reason, and the certificates
-ending within 30 days (planning for expiry), as a table for people or JSON for machines.
+"""``status``: queues (depth: the messages a reader could take now, with those held after a
+failed attempt and those leased apart), settings, whether the database is a copy
+(``identity``), what waits to leave (transmission queue, in transit), by target service and
+reason, and the certificates ending within 30 days (planning for expiry), as a table for people
+or JSON for machines.
 """
 
 from __future__ import annotations
@@ -98,19 +100,33 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
     else:
         print("identity: where it was recorded (not a copy)", file=out)
     if queues:
-        headers = ["QUEUE", "STATUS", "DEPTH", "OLDEST", "GROUPS", "ROLLBACKS"]
+        # DEPTH: what a reader could take now; HELD (until the first hold ends) and LEASED apart.
+        headers = [
+            "QUEUE",
+            "STATUS",
+            "DEPTH",
+            "HELD",
+            "UNTIL",
+            "LEASED",
+            "OLDEST",
+            "GROUPS",
+            "ROLLBACKS",
+        ]
         rows = [
             [
                 q.name,
                 "enabled" if q.status else "DISABLED",
                 str(q.depth),
+                str(q.held),
+                held_until(q.held_until, now),
+                str(q.leased),
                 format_age(q.oldest_age_seconds),
                 str(q.groups_ready),
                 str(q.rollback_count),
             ]
             for q in queues
         ]
-        for line in _table([headers, *rows], right=(2, 3, 4, 5)):
+        for line in _table([headers, *rows], right=(2, 3, 4, 5, 6, 7, 8)):
             print(line, file=out)
     else:
         print("no queues", file=out)
@@ -149,6 +165,17 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
             file=out,
         )
     return EXIT_OK
+
+
+def held_until(at: datetime | None, now: datetime) -> str:
+    """When a queue's first hold ends, in UTC: ``12:04:05Z`` within a day of ``now``, else
+    ``2026-11-29T12:04Z``; ``-`` when nothing is held. One word (the table splits on spaces)."""
+    if at is None:
+        return "-"
+    at = at.astimezone(UTC)
+    if abs((at - now).total_seconds()) < 86400:
+        return at.strftime("%H:%M:%SZ")
+    return at.strftime("%Y-%m-%dT%H:%MZ")
 
 
 def _messages(count: int) -> str:

@@ -276,17 +276,35 @@ class Catalog:
 
 @dataclass(frozen=True, slots=True)
 class QueueStatus:
-    """What an operator needs to see of a queue at a glance."""
+    """What an operator needs to see of a queue at a glance.
+
+    Its waiting messages (status 1) are counted by whether a reader could take them now
+    (:mod:`airflow_broker.storage.readiness`): ``depth`` counts the *ready* ones only;
+    ``held`` (their conversation group waits out the backoff of a failed attempt) and
+    ``leased`` (a lease holds their group) are counted apart, so "3 ready, 2 held until
+    12:04, 1 leased" is ``depth=3, held=2, held_until=12:04, leased=1``.
+    """
 
     name: str
     status: bool
+    #: messages a reader could take now (held and leased ones are not counted)
     depth: int
+    #: the oldest message a reader could take now, and how long it has waited
     oldest_enqueued_at: datetime | None
     oldest_age_seconds: float | None
+    #: conversation groups with messages a reader could take now
     groups_ready: int
     rollback_count: int
     poison_message_handling: bool
     retention: bool
+    #: messages whose group waits out a failed attempt's backoff (``retry_delay``)
+    held: int = 0
+    #: messages a lease holds (``Broker.lease``), their group's later messages included
+    leased: int = 0
+    #: the *earliest* end of those holds: when the first held message can be taken again (and
+    #: activation starts a reader for it). The earliest, not the latest, because that is when
+    #: the queue has work again; the others follow by their own backoff. None: nothing held.
+    held_until: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from airflow_broker.messaging.objects import (
 )
 from airflow_broker.security import certificates as certificate_store
 from airflow_broker.security import permissions
+from airflow_broker.storage import readiness
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 from airflow_broker.storage.context import BrokerContext
@@ -98,41 +99,35 @@ def catalog(broker: BrokerContext) -> Catalog:
 
 
 def queue_status(broker: BrokerContext) -> list[QueueStatus]:
-    """Depth, oldest message and health of every queue, by name."""
-    m = s.message
-    ready = (
-        select(
-            m.c.queue_id,
-            func.count().label("depth"),
-            func.min(m.c.enqueued_at).label("oldest"),
-            func.count(func.distinct(m.c.conversation_group_id)).label("groups"),
-        )
-        .where(m.c.status == STATUS_READY)
-        .group_by(m.c.queue_id)
-        .subquery()
-    )
-    stmt = (
-        select(s.queue, ready.c.depth, ready.c.oldest, ready.c.groups)
-        .outerjoin(ready, ready.c.queue_id == s.queue.c.queue_id)
-        .order_by(s.queue.c.name)
-    )
+    """Depth, oldest message and health of every queue, by name.
+
+    ``depth``, ``groups_ready`` and the oldest message count only messages a reader could take
+    now; ``held`` and ``leased`` count the others apart, ``held_until`` is when the first held
+    one can be taken again (see :class:`~airflow_broker.messaging.objects.QueueStatus` and
+    :mod:`~airflow_broker.storage.readiness`)."""
     now = utcnow()
     with broker.read_connection() as conn:
-        rows = list(conn.execute(stmt))
+        rows = list(conn.execute(select(s.queue).order_by(s.queue.c.name)))
+        counts = readiness.tally(conn, now=now)
     out = []
     for r in rows:
-        oldest = aware(r.oldest)
+        waiting = counts.get(r.queue_id, readiness.QueueReadiness(r.queue_id))
+        ready = waiting.ready
+        oldest = ready.oldest_enqueued_at
         out.append(
             QueueStatus(
                 name=r.name,
                 status=r.status,
-                depth=r.depth or 0,
+                depth=ready.messages,
                 oldest_enqueued_at=oldest,
                 oldest_age_seconds=(now - oldest).total_seconds() if oldest else None,
-                groups_ready=r.groups or 0,
+                groups_ready=ready.groups,
                 rollback_count=r.rollback_count,
                 poison_message_handling=r.poison_message_handling,
                 retention=r.retention,
+                held=waiting.held.messages,
+                leased=waiting.leased.messages,
+                held_until=waiting.held.until,
             )
         )
     return out

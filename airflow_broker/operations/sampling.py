@@ -1,10 +1,12 @@
 """Queue depth history: samples of every queue's depth, at most one pass per interval.
 
 :func:`sample_queue_depths` writes one row per queue into ``broker_queue_sample`` in a single
-``INSERT ... SELECT`` (the ready messages of ``broker_message`` counted by one ``GROUP BY``,
-queues without messages at 0), sets the ``broker.queue_depth.<queue>`` gauges when metrics are on
-(:mod:`airflow_broker.metrics`), then deletes samples older than the retention in bounded
-batches.
+``INSERT ... SELECT`` (the messages of ``broker_message`` a reader could take now counted by one
+``GROUP BY``, queues without messages at 0: messages held after a failed attempt or leased are
+not depth, see :mod:`airflow_broker.storage.readiness`), sets the ``broker.queue_depth.<queue>``
+gauges, and ``broker.queue_held.<queue>`` / ``broker.queue_leased.<queue>`` for the others, when
+metrics are on (:mod:`airflow_broker.metrics`), then deletes samples older than the retention in
+bounded batches.
 
 Many processes call it (activation monitors and triggers through
 :func:`airflow_broker.activation.due_step`, the in-process runner, the monitoring API when the
@@ -31,8 +33,8 @@ from sqlalchemy import delete, func, insert, literal, select, text, tuple_
 from sqlalchemy.engine import Connection
 
 from airflow_broker import metrics
-from airflow_broker.constants import STATUS_READY
 from airflow_broker.errors import InvalidDefinition
+from airflow_broker.storage import readiness
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 
@@ -101,9 +103,11 @@ def sample_queue_depths(
         latest = _latest(conn)
         if latest is not None and latest > now - timedelta(seconds=min_interval):
             return None
+        # Depth is what a reader could take now: held and leased messages are not counted.
         ready = (
             select(m.c.queue_id, func.count().label("depth"))
-            .where(m.c.status == STATUS_READY)
+            .select_from(readiness.waiting_from())
+            .where(readiness.ready_now(now))
             .group_by(m.c.queue_id)
             .subquery()
         )
@@ -130,7 +134,10 @@ def sample_queue_depths(
             ages = _ages(conn, now, names)
     for name, depth in depths:
         tags = {"queue": name}
+        held, leased = ages.held.get(name, 0), ages.leased.get(name, 0)
         metrics.gauge(metrics.queue_stat(metrics.QUEUE_DEPTH, name), depth, tags)
+        metrics.gauge(metrics.queue_stat(metrics.QUEUE_HELD, name), held, tags)
+        metrics.gauge(metrics.queue_stat(metrics.QUEUE_LEASED, name), leased, tags)
         metrics.gauge(metrics.queue_stat(metrics.QUEUE_OLDEST_AGE, name), ages.get(name, 0.0), tags)
     if depths:
         metrics.gauge(metrics.TRANSMISSION_DEPTH, ages.transmission_depth)
@@ -140,24 +147,29 @@ def sample_queue_depths(
 
 
 class _Ages(dict[str, float]):
-    """Seconds the oldest ready message of each queue has waited (by name), and the
-    transmission queue's depth and oldest age."""
+    """Seconds the oldest ready message of each queue has waited (by name), the messages held
+    and leased apart (by name), and the transmission queue's depth and oldest age."""
 
     transmission_depth: int = 0
     transmission_oldest: float = 0.0
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[str, int] = {}
+        self.leased: dict[str, int] = {}
+
 
 def _ages(conn: Connection, now: datetime, names: dict[int, str]) -> _Ages:
-    """What the age gauges show, read only when metrics go somewhere."""
-    m, t = s.message, s.transmission_queue
+    """What the age, held and leased gauges show, read only when metrics go somewhere."""
+    t = s.transmission_queue
     ages = _Ages()
-    for queue_id, oldest in conn.execute(
-        select(m.c.queue_id, func.min(m.c.enqueued_at))
-        .where(m.c.status == STATUS_READY)
-        .group_by(m.c.queue_id)
-    ):
-        if queue_id in names and oldest is not None:
-            ages[names[queue_id]] = _age(now, oldest)
+    for queue_id, counted in readiness.tally(conn, queue_ids=names, now=now).items():
+        name = names[queue_id]
+        oldest = counted.ready.oldest_enqueued_at
+        if oldest is not None:
+            ages[name] = _age(now, oldest)
+        ages.held[name] = counted.held.messages
+        ages.leased[name] = counted.leased.messages
     depth, oldest = conn.execute(select(func.count(), func.min(t.c.enqueued_at))).one()
     ages.transmission_depth = int(depth)
     ages.transmission_oldest = 0.0 if oldest is None else _age(now, oldest)

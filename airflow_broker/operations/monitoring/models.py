@@ -161,7 +161,12 @@ class PoisonEvent:
 
 @dataclass(frozen=True, slots=True)
 class QueueInfo:
-    """A queue at a glance: depth, oldest message, readers, status, poison events."""
+    """A queue at a glance: depth, oldest message, readers, status, poison events.
+
+    ``depth``, ``groups_ready`` and the oldest message count only messages a reader could take
+    now; messages held after a failed attempt and leased ones are counted apart
+    (:mod:`airflow_broker.storage.readiness`).
+    """
 
     name: str
     status: str  # "enabled" | "disabled"
@@ -179,6 +184,12 @@ class QueueInfo:
     services: list[str]
     poison_events: int
     last_poison_event: PoisonEvent | None
+    #: messages whose group waits out a failed attempt's backoff; ``depth`` does not count them
+    held: int = 0
+    #: when the first of them can be taken again (the earliest hold's end), or None
+    held_until: datetime | None = None
+    #: messages a lease holds; ``depth`` does not count them
+    leased: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,6 +352,7 @@ class Overview:
     principal: bool
     queues: int
     queues_disabled: int
+    #: messages a reader could take now, in all queues (held and leased ones are not counted)
     messages_ready: int
     conversations: list[StateCount]
     transmission_queue: int
@@ -355,6 +367,10 @@ class Overview:
     #: certificates ending within 30 days (``EXPIRY_WARNING``) or already past their end, the
     #: one ending first first: plan their renewal (dialog security)
     certificates_expiring: list[CertificateRow] = dataclasses.field(default_factory=list)
+    #: messages, in all queues, whose group waits out a failed attempt's backoff
+    messages_held: int = 0
+    #: messages, in all queues, a lease holds
+    messages_leased: int = 0
 
 
 @dataclass(frozen=True, slots=True)

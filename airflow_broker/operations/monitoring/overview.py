@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
 
-from airflow_broker.constants import STATUS_READY
 from airflow_broker.errors import (
     BrokerError,
     InvalidDefinition,
@@ -23,7 +22,6 @@ from airflow_broker.operations.monitoring.models import (
     Page,
     _check_offset,
     _ev,
-    _m,
     _poison_filter,
     _t,
     _ts,
@@ -31,6 +29,7 @@ from airflow_broker.operations.monitoring.models import (
 )
 from airflow_broker.security import certificates as certificate_store
 from airflow_broker.security.certificates import EXPIRY_WARNING
+from airflow_broker.storage import readiness
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware
 
@@ -83,9 +82,7 @@ def overview(broker: BrokerContext) -> Overview:
                 s.queue
             )
         ).one()
-        ready = conn.execute(
-            select(func.count()).select_from(_m).where(_m.c.status == STATUS_READY)
-        ).scalar_one()
+        waiting = list(readiness.tally(conn).values())
         tq = conn.execute(
             select(
                 func.count(), func.min(_t.c.enqueued_at), func.count().filter(_t.c.attempts > 0)
@@ -113,7 +110,7 @@ def overview(broker: BrokerContext) -> Overview:
         principal=bool(me.principal),
         queues=int(queue_counts[0]),
         queues_disabled=int(queue_counts[1] or 0),
-        messages_ready=int(ready),
+        messages_ready=sum(q.ready.messages for q in waiting),
         conversations=states,
         transmission_queue=int(tq[0]),
         transmission_oldest_enqueued_at=_ts(tq[1]),
@@ -123,6 +120,8 @@ def overview(broker: BrokerContext) -> Overview:
         last_check_at=_ts(last_check.occurred_at) if last_check else None,
         last_check=last_check.detail if last_check else None,
         certificates_expiring=expiring,
+        messages_held=sum(q.held.messages for q in waiting),
+        messages_leased=sum(q.leased.messages for q in waiting),
     )
 
 

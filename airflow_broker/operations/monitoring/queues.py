@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, select
 from sqlalchemy.engine import Connection
 
-from airflow_broker.constants import STATUS_READY
 from airflow_broker.operations.monitoring.models import (
     QUEUE_EVENTS_SHOWN,
     QUEUE_READERS_SHOWN,
@@ -22,7 +21,6 @@ from airflow_broker.operations.monitoring.models import (
     _age,
     _e,
     _ev,
-    _m,
     _pairs,
     _poison_filter,
     _queue_id,
@@ -30,6 +28,7 @@ from airflow_broker.operations.monitoring.models import (
     _ts,
 )
 from airflow_broker.operations.sampling import check_minutes, depth_samples
+from airflow_broker.storage import readiness
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 
@@ -38,17 +37,6 @@ if TYPE_CHECKING:
 
 
 def _queue_infos(conn: Connection, name: str | None = None) -> list[QueueInfo]:
-    ready = (
-        select(
-            _m.c.queue_id,
-            func.count().label("depth"),
-            func.min(_m.c.enqueued_at).label("oldest"),
-            func.count(func.distinct(_m.c.conversation_group_id)).label("groups"),
-        )
-        .where(_m.c.status == STATUS_READY)
-        .group_by(_m.c.queue_id)
-        .subquery()
-    )
     readers = (
         select(
             _r.c.queue_id,
@@ -61,15 +49,7 @@ def _queue_infos(conn: Connection, name: str | None = None) -> list[QueueInfo]:
     )
     q = s.queue
     stmt = (
-        select(
-            q,
-            ready.c.depth,
-            ready.c.oldest,
-            ready.c.groups,
-            readers.c.running,
-            readers.c.starting,
-        )
-        .outerjoin(ready, ready.c.queue_id == q.c.queue_id)
+        select(q, readers.c.running, readers.c.starting)
         .outerjoin(readers, readers.c.queue_id == q.c.queue_id)
         .order_by(q.c.name)
     )
@@ -77,6 +57,9 @@ def _queue_infos(conn: Connection, name: str | None = None) -> list[QueueInfo]:
         stmt = stmt.where(q.c.name == name)
     rows = list(conn.execute(stmt))
     ids = [r.queue_id for r in rows]
+    now = utcnow()
+    # Depth counts what a reader could take now; held and leased messages are counted apart.
+    waiting = readiness.tally(conn, queue_ids=None if name is None else ids, now=now)
     services: dict[int, list[str]] = {}
     for r in conn.execute(
         select(s.service.c.queue_id, s.service.c.name)
@@ -101,20 +84,20 @@ def _queue_infos(conn: Connection, name: str | None = None) -> list[QueueInfo]:
             )
         )
     }
-    now = utcnow()
     out = []
     for r in rows:
-        oldest = _ts(r.oldest)
+        counted = waiting.get(r.queue_id, readiness.QueueReadiness(r.queue_id))
+        oldest = counted.ready.oldest_enqueued_at
         count, last_id = poison.get(r.name, (0, 0))
         out.append(
             QueueInfo(
                 name=r.name,
                 status="enabled" if r.status else "disabled",
                 enabled=bool(r.status),
-                depth=int(r.depth or 0),
+                depth=counted.ready.messages,
                 oldest_enqueued_at=oldest,
                 oldest_age_seconds=_age(now, oldest),
-                groups_ready=int(r.groups or 0),
+                groups_ready=counted.ready.groups,
                 readers_running=int(r.running or 0),
                 readers_starting=int(r.starting or 0),
                 rollback_count=int(r.rollback_count),
@@ -124,13 +107,17 @@ def _queue_infos(conn: Connection, name: str | None = None) -> list[QueueInfo]:
                 services=services.get(r.queue_id, []),
                 poison_events=count,
                 last_poison_event=last.get(last_id),
+                held=counted.held.messages,
+                held_until=counted.held.until,
+                leased=counted.leased.messages,
             )
         )
     return out
 
 
 def queues(broker: BrokerContext) -> list[QueueInfo]:
-    """Every queue, by name: depth, oldest message, readers running, status, poison events."""
+    """Every queue, by name: depth (messages a reader could take now), the messages held and
+    leased apart, oldest message, readers running, status, poison events."""
     with broker.read_connection() as conn:
         return _queue_infos(conn)
 

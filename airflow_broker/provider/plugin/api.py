@@ -9,8 +9,11 @@ request and kept for the life of the API server's worker.
 
 Reading (GET)::
 
-    /api/overview                      identity, settings, counts
-    /api/queues                        depth, oldest message, readers, status, poison events
+    /api/overview                      identity, settings, counts (messages ready, held,
+                                       leased)
+    /api/queues                        depth (messages a reader could take now), held (with
+                                       held_until, when the first hold ends) and leased apart,
+                                       oldest message, readers, status, poison events
     /api/queues/{queue}                one queue, its recent readers and poison events
     /api/queues/{queue}/messages       paged peek: the messages waiting, in RECEIVE's order, each
                                        with a body preview, age and receive count (nothing is

@@ -349,7 +349,13 @@
         h("div", { class: "card-note" }, note || "\u00a0"));
     $("#overview-cards").replaceChildren(
       card("Queues", o.queues, o.queues_disabled ? `${o.queues_disabled} disabled` : "all enabled", o.queues_disabled ? "bad" : "ok"),
-      card("Messages ready", o.messages_ready, "in all queues"),
+      card(
+        "Messages ready",
+        o.messages_ready,
+        o.messages_held || o.messages_leased
+          ? `${o.messages_held || 0} held · ${o.messages_leased || 0} leased`
+          : "in all queues"
+      ),
       card("Conversations", conversations, byState || "none"),
       card(
         "Transmission queue",
@@ -411,7 +417,8 @@
         h("td", { class: "status" },
           disabled ? badge("DISABLED", "bad") : badge("enabled", "ok"),
           q.poison_message_handling ? null : h("span", { class: "tag", title: "POISON_MESSAGE_HANDLING = OFF" }, "no poison handling")),
-        h("td", { class: "num depth" }, q.depth),
+        h("td", { class: "num depth", title: "messages a reader could take now" }, q.depth),
+        notReady(q),
         h("td", { class: "oldest" }, q.depth ? age(q.oldest_age_seconds) : h("span", { class: "muted" }, "—")),
         h("td", { class: "readers" },
           `${q.readers_running} running`,
@@ -445,7 +452,7 @@
           }, "Depth chart"))
       );
     });
-    fill($("#queues-table tbody"), rows, 9, "No queues.");
+    fill($("#queues-table tbody"), rows, 10, "No queues.");
     syncSelect($("#depth-queue"), queues.map((q) => q.name), null);
     syncSelect($("#messages-queue"), queues.map((q) => q.name), null);
     if (!queues.some((q) => q.name === view.messages.queue)) {
@@ -458,6 +465,39 @@
       const deepest = [...queues].sort((a, b) => b.depth - a.depth)[0];
       selectDepthQueue(deepest.name);
     }
+  }
+
+  /**
+   * A queue's messages no reader could take now, apart from its depth: "2 held until 12:04"
+   * (their groups wait out a failed attempt's backoff; the time is when the first hold ends)
+   * and "1 leased" (a lease holds their group).
+   */
+  function notReady(q) {
+    const held = q.held || 0;
+    const leased = q.leased || 0;
+    if (!held && !leased) return h("td", { class: "not-ready" }, h("span", { class: "muted" }, "—"));
+    return h("td", { class: "not-ready" },
+      held
+        ? h("div", {
+            class: "held",
+            title: "their conversation groups wait out the backoff of a failed attempt (retry_delay); " +
+              "the first can be taken again at the time shown",
+          }, `${held} held`, q.held_until ? [" until ", clock(q.held_until)] : "")
+        : null,
+      leased
+        ? h("div", { class: "leased", title: "a lease holds their conversation group (Broker.lease)" }, `${leased} leased`)
+        : null);
+  }
+
+  /** A time of day ("12:04"), with the date when it is not within a day; the full time on hover. */
+  function clock(iso) {
+    const d = new Date(iso);
+    if (isNaN(d)) return iso;
+    const soon = Math.abs(d.getTime() - Date.now()) < 86400000;
+    const text = soon
+      ? d.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" })
+      : d.toLocaleString([], { dateStyle: "short", timeStyle: "short" });
+    return h("time", { datetime: iso, title: d.toLocaleString() }, text);
   }
 
   /** Keep a select's options in step with a list of names, keeping the choice. */
