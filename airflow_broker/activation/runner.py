@@ -19,13 +19,20 @@ conversation group per transaction, and exits::
 The monitor sleeps on the engine's wake-up signal (PostgreSQL LISTEN on the queue's channel,
 SQLite's data_version), with ``poll_interval`` as the longest sleep and as the period at which
 the queue's growth is judged.
+
+When the server ends the LISTEN connection (a restart, ``pg_terminate_backend``), the wait logs
+one warning naming the channel and the error and polls; the monitor LISTENs again on a new
+connection at once, then every :data:`LISTEN_RECONNECT_SECONDS` until the server takes it, and
+looks at the queue after each new LISTEN (what was notified while it was away is lost).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -54,6 +61,33 @@ log = logging.getLogger("airflow_broker")
 #: The monitor checks at most this often, however often it is woken (on SQLite every commit
 #: by any connection wakes it, readers' included).
 MIN_CHECK_GAP = 0.05
+
+#: After the server ended a LISTEN connection, the listener connects again at once and then
+#: every this many seconds until it LISTENs again (the runner's monitor, and the Airflow
+#: triggers' listeners in airflow_broker.provider.triggers.activation).
+LISTEN_RECONNECT_SECONDS = 2.0
+
+
+class _OtherThreads(logging.Filter):
+    """Leaves out the records of the thread that made it: the adapter's warning of each failed
+    LISTEN attempt while the monitor retries (the loss was reported once, when it happened)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread
+
+
+@contextlib.contextmanager
+def _quietly(logger: logging.Logger) -> Iterator[None]:
+    quiet = _OtherThreads()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 @dataclass(slots=True)
@@ -228,7 +262,11 @@ class ActivationRunner:
             with self.broker.engine.connect() as conn:
                 self._look()
                 assert self.monitor.queue_id is not None
-                state = adapter.start_wait(conn, self.monitor.queue_id, can_release=True)
+                queue_id = self.monitor.queue_id
+                state = adapter.start_wait(conn, queue_id, can_release=True)
+                #: PostgreSQL, not behind a pooler without listen_url: waits should LISTEN
+                listens = bool(getattr(adapter, "listens", False))
+                relisten_at = 0.0  # when to LISTEN again once the listener is lost: at once
                 try:
                     while not self._stop.is_set():
                         began = time.monotonic()
@@ -236,8 +274,20 @@ class ActivationRunner:
                         gap = MIN_CHECK_GAP - (time.monotonic() - began)
                         if gap > 0 and self._stop.wait(gap):
                             break
+                        if listens and state.listener is None:
+                            # The server ended the LISTEN connection (the wait polls now).
+                            now = time.monotonic()
+                            if now >= relisten_at:
+                                adapter.end_wait(state)
+                                with _quietly(logging.getLogger(type(adapter).__module__)):
+                                    state = adapter.start_wait(conn, queue_id, can_release=True)
+                                if state.listener is None:
+                                    relisten_at = now + LISTEN_RECONNECT_SECONDS
+                                else:
+                                    relisten_at = 0.0
+                                    log.info("activation monitor of %r: LISTEN again", self.queue)
                         if not self._stop.is_set():
-                            self._look()
+                            self._look()  # after a new LISTEN too: nothing notified is missed
                 finally:
                     adapter.end_wait(state)
         except BaseException as exc:  # reported by stop() / run_until_idle()
@@ -320,4 +370,4 @@ class ActivationRunner:
             self.report.messages += messages
 
 
-__all__ = ["ActivationRunner", "RunnerReport"]
+__all__ = ["LISTEN_RECONNECT_SECONDS", "ActivationRunner", "RunnerReport"]

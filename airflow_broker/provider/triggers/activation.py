@@ -21,6 +21,13 @@ psycopg async connection per queue and process, shared by every trigger waiting 
 ``poll_interval`` is then only the fallback. On SQLite it polls every ``poll_interval``. The
 blocking database work runs in threads (``compat.to_thread``); the brokers are shared by the
 triggers of one process on the same database and closed when the last one is cleaned up.
+
+When the server ends a LISTEN connection (a restart, ``pg_terminate_backend``), the listener logs
+one warning naming the channel and the error, connects again at once and then every
+:data:`~airflow_broker.activation.runner.LISTEN_RECONNECT_SECONDS` (2 s) until the server takes
+it, LISTENs again and wakes every trigger waiting on it: each looks at the queue again, since
+what was notified while the connection was away is lost. Meanwhile the triggers poll every
+``poll_interval``; the listener never gives up while a trigger uses it.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import DBAPIError
 
 from airflow_broker.activation import ACTIVATION_KEY, Fire, Monitor, check_mode, due_step
+from airflow_broker.activation.runner import LISTEN_RECONNECT_SECONDS
 from airflow_broker.errors import BrokerError, InvalidDefinition
 from airflow_broker.provider.compat import (
     Asset,
@@ -54,7 +62,8 @@ log = logging.getLogger("airflow_broker")
 
 #: Longest pause after a database error before the trigger tries again.
 MAX_BACKOFF = 30.0
-#: How long a trigger polls after LISTEN failed before it tries to LISTEN again.
+#: How long a trigger polls after its first LISTEN failed before it tries to LISTEN again (a
+#: listener that worked and lost its connection reconnects every LISTEN_RECONNECT_SECONDS).
 LISTEN_RETRY_SECONDS = 30.0
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +116,12 @@ def release_broker(broker: Broker) -> None:
 
 @dataclass(eq=False)
 class _Listener:
-    """A psycopg async connection LISTENing on one queue's channel; wakes its subscribers."""
+    """A psycopg async connection LISTENing on one queue's channel; wakes its subscribers.
+
+    It keeps listening for as long as it is open: when the server ends its connection it
+    connects again (at once, then every :data:`LISTEN_RECONNECT_SECONDS`), LISTENs again and
+    wakes its subscribers, whose callers look at the queue again (see the module docstring).
+    """
 
     params: dict[str, Any]
     channel: str
@@ -116,25 +130,63 @@ class _Listener:
     conn: Any = None
     task: asyncio.Task[None] | None = None
     ready: asyncio.Future[None] | None = None
+    #: closed for good (by its last subscriber, or its first LISTEN failed)
     broken: bool = False
+    #: times it listened again after losing its connection
+    reconnects: int = 0
 
     async def open(self) -> None:
+        await self._connect()
+        self.task = asyncio.create_task(self._listen(), name=f"airflow-broker-{self.channel}")
+
+    async def _connect(self) -> None:
         import psycopg
 
-        self.conn = await psycopg.AsyncConnection.connect(autocommit=True, **self.params)
-        await self.conn.execute(f'LISTEN "{self.channel}"')  # our channel name, never user text
-        self.task = asyncio.create_task(self._pump(), name=f"airflow-broker-{self.channel}")
-
-    async def _pump(self) -> None:
+        conn = await psycopg.AsyncConnection.connect(autocommit=True, **self.params)
         try:
-            async for _note in self.conn.notifies():
-                self.wake()
-        except asyncio.CancelledError:
+            await conn.execute(f'LISTEN "{self.channel}"')  # our channel name, never user text
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.close()
             raise
-        except Exception:
-            log.warning("LISTEN on %s stopped; polling instead", self.channel, exc_info=True)
-        self.broken = True
-        self.wake()
+        self.conn = conn
+
+    async def _listen(self) -> None:
+        while True:
+            error: object = "the connection ended"
+            try:
+                async for _note in self.conn.notifies():
+                    self.wake()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                error = exc
+            log.warning(
+                "LISTEN on %s lost (%s): connecting again every %g s, polling meanwhile",
+                self.channel,
+                str(error).strip(),
+                LISTEN_RECONNECT_SECONDS,
+            )
+            await self._reconnect()
+            self.reconnects += 1
+            log.info("LISTEN on %s again", self.channel)
+            self.wake()  # what was notified while the connection was away is lost: look again
+
+    async def _reconnect(self) -> None:
+        """Until connected and listening again: at once, then every LISTEN_RECONNECT_SECONDS."""
+        lost, self.conn = self.conn, None
+        if lost is not None:
+            with contextlib.suppress(Exception):
+                await lost.close()
+        while True:
+            try:
+                await self._connect()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # reported once, when the connection was lost
+                log.debug("LISTEN on %s: cannot connect yet (%s)", self.channel, exc)
+            await asyncio.sleep(LISTEN_RECONNECT_SECONDS)
 
     def wake(self) -> None:
         for event in list(self.subscribers):
@@ -230,11 +282,12 @@ class QueueWaiter:
         self.event.clear()
 
     async def wait(self, timeout: float | None = None) -> None:
-        """Until a NOTIFY, or ``poll_interval`` (or the shorter ``timeout``) seconds."""
+        """Until a NOTIFY, the listener listening again after it lost its connection, or
+        ``poll_interval`` (or the shorter ``timeout``) seconds."""
         listener = self._listener
         if listener is not None and listener.broken:
             await self.close()
-            await self.open()  # reconnect (or fall back to polling for a while)
+            await self.open()  # a closed listener: open another (or poll for a while)
         elif self._retry_at is not None and asyncio.get_running_loop().time() >= self._retry_at:
             await self.open()
         limit = self.poll_interval if timeout is None else min(timeout, self.poll_interval)
