@@ -44,9 +44,9 @@ VIA_PGBOUNCER = os.environ.get("BROKER_TEST_VIA_PGBOUNCER", "") not in ("", "0")
 
 @pytest.fixture(autouse=True)
 def _close_peer_brokers() -> Iterator[None]:
-    """Peers that deliveries opened by URL are shared by the process for its life; a test run
-    opens hundreds of short-lived databases, so each test closes the ones it opened (else the
-    server's max_connections is reached late in a run)."""
+    """Peers that deliveries opened by URL are shared by the process (closed when idle for
+    PEER_IDLE_SECONDS, 300 s); a test run opens hundreds of short-lived databases, so each test
+    closes the ones it opened (else the server's max_connections is reached late in a run)."""
     yield
     from airflow_broker.transport.resolve import close_peers
 
