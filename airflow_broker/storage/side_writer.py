@@ -19,7 +19,10 @@ Behind a pooler in transaction mode (:mod:`~airflow_broker.storage.pooler`) each
 reach another server process: nothing is prepared (each goes as an unnamed statement of the
 extended protocol, parsed with its values in one message) and no session setting is made
 (``synchronous_commit`` would stay with a server process that others use next; the lease table
-being UNLOGGED, its writes do not wait for the disk anyway).
+being UNLOGGED, its writes do not wait for the disk anyway). And each statement is waited for:
+the pooler holds a statement until it has a server process for it, and drops it if its client
+dies first, so bytes in the socket no longer mean the statement will run (a reader killed the
+moment RECEIVE returned went uncounted about one time in three on two busy cores).
 """
 
 from __future__ import annotations
@@ -83,6 +86,10 @@ class SideWriter:
                         conn.pgconn.send_query_prepared(name, params)
                     flush(conn.pgconn)
                     self._pending += 1
+                    if self._unnamed:
+                        # A pooler reads a statement and then finds it a server: a client that
+                        # dies before that loses it. Its answer is the proof it ran.
+                        self._drain(conn)
                     return
                 except Exception as exc:
                     # The server ended the connection (a restart, an administrator's
