@@ -63,9 +63,11 @@ PGBOUNCER_TESTS := tests/test_dialogs.py tests/test_receive.py tests/test_empty_
 	"tests/test_spark_job.py::test_the_job_delivers_every_message_once_in_order_and_replies_come_back" \
 	tests/test_spark_job.py::test_postgresql_groups_the_conversations_as_the_spark_transform_does
 
+PGBOUNCER_RUN = BROKER_TEST_VIA_PGBOUNCER=1 $(BIN)/pytest -n 2 --dist loadgroup \
+	-m "not direct_connection" -k "not sqlite" $(PGBOUNCER_TESTS)
+
 test-pgbouncer: install-dev postgres pgbouncer
-	BROKER_TEST_VIA_PGBOUNCER=1 $(BIN)/pytest -n 2 --dist loadgroup -m "not direct_connection" \
-		-k "not sqlite" $(PGBOUNCER_TESTS)
+	$(PGBOUNCER_RUN)
 
 # The oldest supported Airflow (docs/airflow.md, "Airflow versions"): a second environment,
 # every package pinned by tests/support/oldest-airflow.txt, rebuilt when the pins change.
@@ -78,23 +80,32 @@ oldest: install-dev
 
 # The Airflow-facing end-to-end set on the oldest supported Airflow (LocalExecutor: the
 # CeleryExecutor tests run on the newest only).
+OLDEST_RUN = $(OLDEST)/bin/pytest -n 2 --dist loadgroup -k "not under_celery" $(OLDEST_TESTS)
+
 test-oldest: oldest postgres
-	$(OLDEST)/bin/pytest -n 2 --dist loadgroup -k "not under_celery" $(OLDEST_TESTS)
+	$(OLDEST_RUN)
+
+# `make test`'s last step runs these two side by side, their prerequisites made already.
+.PHONY: run-pgbouncer run-oldest
+run-pgbouncer:
+	$(PGBOUNCER_RUN)
+run-oldest:
+	$(OLDEST_RUN)
 
 # What the tests talk to is installed and started first: PostgreSQL, chromium, Java + JDBC,
 # PgBouncer, Redis; then the whole suite on the newest Airflow, the PostgreSQL subset through
 # PgBouncer, and the end-to-end set on the oldest Airflow.
-test: install-dev postgres browser spark pgbouncer redis lint
+test: install-dev postgres browser spark pgbouncer redis oldest lint
 	$(BIN)/pytest -n 2 --dist loadgroup
-	$(MAKE) --no-print-directory test-pgbouncer
-	$(MAKE) --no-print-directory test-oldest
+	$(MAKE) --no-print-directory -j2 --output-sync=target run-pgbouncer run-oldest
 
 # The model-based check at length (the suite runs a bounded profile): thousands of random
 # operation sequences against the reference model, on SQLite and PostgreSQL; and a longer stress run.
 # (No per-test time limit: the suite's 300 s would stop both long before they are done.)
-soak: install-dev postgres
+soak: install-dev postgres spark
 	HYPOTHESIS_PROFILE=soak $(BIN)/pytest --timeout 0 tests/test_model_state_machine.py
 	BROKER_STRESS_SECONDS=600 $(BIN)/pytest --timeout 0 tests/test_stress_pg.py
+	BROKER_SOAK=1 $(BIN)/pytest tests/test_spark_crash.py
 
 bench: install-dev postgres
 	$(BIN)/python -m bench.throughput

@@ -54,7 +54,9 @@ from transport_procs import (
 from airflow_broker import Broker
 from airflow_broker.examples import sales
 
-pytestmark = [pytest.mark.xdist_group("airflow_e2e"), pytest.mark.timeout(900)]
+# With the Spark tests, not the other Airflow deployments: each half of the suite's two
+# workers then carries about as much (one Airflow deployment and one Spark job at a time).
+pytestmark = [pytest.mark.xdist_group("spark"), pytest.mark.timeout(900)]
 
 DAG_ID = "spark_cluster_routing"
 #: Conversations per source, and messages per conversation.
