@@ -22,8 +22,9 @@ cannot be taken is one more line in :func:`reasons`, and every count follows. A 
 group row is missing (the outer join finds none) counts as ready, as the claim would take it.
 
 Group holds outside a transaction only: a group locked by an open RECEIVE transaction is still
-counted ready (its messages are gone when that transaction commits). On PostgreSQL nothing here
-locks or waits; on SQLite a read waits, like every read, while another transaction writes.
+counted ready (its messages are gone when that transaction commits). Nothing here locks or
+waits: on SQLite the reads that use it begin DEFERRED (``BrokerContext.read_connection``) and
+read the last committed state while another transaction writes.
 """
 
 from __future__ import annotations
