@@ -243,14 +243,15 @@ class BeginDialogOperator(BrokerOperator):
 
     def execute(self, context: Context) -> str:
         key = dedupe_key_for(self.dedupe, self.dedupe_key, context)
+        # Checked before the broker is reached: a task that cannot succeed touches nothing.
+        message_type = optional_name(self.message_type, "message_type")
+        if message_type is None and self.body is not None:
+            raise InvalidDefinition(
+                "body given without message_type (the first message needs a message type; "
+                "use 'DEFAULT' for the default one)"
+            )
 
         def begin(tx: Transaction) -> str:
-            message_type = optional_name(self.message_type, "message_type")
-            if message_type is None and self.body is not None:
-                raise InvalidDefinition(
-                    "body given without message_type (the first message needs a message type; "
-                    "use 'DEFAULT' for the default one)"
-                )
             handle = tx.begin_dialog(
                 self.from_service,
                 self.to_service,
