@@ -53,13 +53,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.exc import DBAPIError
 
-from airflow_broker.storage.prepared import (
-    DROP_PREPARE_FUNCTION,
-    PREPARE_FUNCTION,
-    Prepared,
-    literal,
-    parameter,
-)
+from airflow_broker.storage.prepared import Prepared, literal, parameter
 
 if TYPE_CHECKING:
     from psycopg.pq.abc import PGresult
@@ -485,9 +479,7 @@ _SQLSTATE = ord("C")
 __all__ = [
     "COMMAND_OK",
     "CONNECTION_OK",
-    "DROP_PREPARE_FUNCTION",
     "MAX_LITERAL_BODY",
-    "PREPARE_FUNCTION",
     "CommittedThenFailed",
     "Prepared",
     "can_commit_then_execute",

@@ -157,26 +157,18 @@ class SqliteAdapter:
             return []
         dead: list[FailedHold] = []
         for path in self._lease_dir.glob("*.lease"):
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except FileNotFoundError:
+            fd = _locked_if_free(path, os.O_RDWR, fcntl.LOCK_EX)
+            if fd is None:
                 continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue  # its reader is alive
-            try:
-                if os.fstat(fd).st_ino != path.stat().st_ino:
-                    continue
-            except FileNotFoundError:
-                continue  # committed (or rolled back and counted) just now
-            finally:
-                pass
-            try:
-                content = _read_all(fd)
-                path.unlink()
-                dead.append(_lease_file(content))
+                try:
+                    same = os.fstat(fd).st_ino == path.stat().st_ino
+                except FileNotFoundError:
+                    same = False  # committed (or rolled back and counted) just now
+                if same:
+                    content = _read_all(fd)
+                    path.unlink()
+                    dead.append(_lease_file(content))
             finally:
                 os.close(fd)
         return dead
@@ -188,15 +180,9 @@ class SqliteAdapter:
             return []
         dead: list[tuple[str, int]] = []
         for path in sorted(self._lease_dir.glob("*.lease")):
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
+            fd = _locked_if_free(path, os.O_RDONLY, fcntl.LOCK_SH)
+            if fd is None:
                 continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue  # its reader is alive
             try:
                 dead.append((f"lease file {path.name}", _lease_file(_read_all(fd)).queue_id))
             finally:
@@ -205,6 +191,22 @@ class SqliteAdapter:
 
     def dispose(self) -> None:
         """Nothing held outside the pool."""
+
+
+def _locked_if_free(path: Path, flags: int, lock: int) -> int | None:
+    """``path`` opened with ``flags`` and locked with ``lock`` without waiting: its descriptor
+    (the caller closes it, which releases the lock), or None when the file is gone or its
+    reader holds its lock (it is alive)."""
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, lock | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _read_all(fd: int) -> str:
