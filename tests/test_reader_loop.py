@@ -8,6 +8,8 @@ transaction holds only what it received.
 
 from __future__ import annotations
 
+import re
+
 import multiprocessing
 import signal
 from typing import Any
@@ -176,7 +178,8 @@ def test_a_failing_handler_rolls_back_only_its_own_batch(paired: Broker) -> None
 def test_postgres_sends_the_commit_with_the_next_receive(
     pg_broker: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One round trip per message in a reader's loop: COMMIT; BEGIN; EXECUTE claim."""
+    """One round trip per message in a reader's loop: the committing transaction's lease row
+    deleted, COMMIT; BEGIN; EXECUTE claim."""
     declare_pair(pg_broker)
     h = begin(pg_broker)
     send(pg_broker, h, NOTE, *[f"m{k}".encode() for k in range(6)])
@@ -185,12 +188,16 @@ def test_postgres_sends_the_commit_with_the_next_receive(
     report = drain(pg_broker, SUPPLIER_QUEUE, lambda tx, m: None, top=1)
     assert report.messages == 6
     # The claim prepared (EXECUTE), or written whole behind a pooler (BROKER_TEST_VIA_PGBOUNCER).
+    cleanup = re.compile(rb"^DELETE FROM broker_receive_lease WHERE lease_key IN \(\d+\);")
     pipelined = [
         q
         for q in sent
-        if q.startswith(b"COMMIT;BEGIN;") and (b"EXECUTE " in q or b"broker_message" in q)
+        if cleanup.sub(b"", q).startswith(b"COMMIT;BEGIN;")
+        and (b"EXECUTE " in q or b"broker_message" in q)
     ]
     assert len(pipelined) == 6  # five that took a message, one that found the queue empty
+    # Each COMMIT ended a transaction that held a message: its lease row went with it.
+    assert all(cleanup.match(q) for q in pipelined)
     # No COMMIT of its own but the last one, after the claim that found the queue empty.
     assert sent.count(b"COMMIT") == 1 and sent[-1] == b"COMMIT"
 

@@ -29,8 +29,9 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import insert, select, text, update
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
 from airflow_broker import metrics
 from airflow_broker.constants import DEAD_LETTERED, STATUS_NOT_COMPLETE, STATUS_READY
@@ -40,6 +41,7 @@ from airflow_broker.messaging.events import record_event, record_rollbacks
 from airflow_broker.messaging.objects import DeadLetter
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.adapters import FailedHold
+from airflow_broker.storage.clock import utcnow
 
 if TYPE_CHECKING:
     from airflow_broker.storage.context import BrokerContext
@@ -97,6 +99,41 @@ def check_combination(queue: str, row: dict[str, Any]) -> None:
         raise InvalidDefinition(
             f"queue {queue!r}: retry_delay_max ({top}) is less than retry_delay ({delay})"
         )
+
+
+#: How long counting a dead reader's attempt waits for a lock before it leaves the count to the
+#: next due-work pass (count_dead_attempts).
+COUNT_LOCK_TIMEOUT = "2s"
+
+
+def count_dead_attempts(broker: BrokerContext, queue_id: int) -> bool:
+    """Count, in a transaction of its own, the attempts of ``queue_id``'s readers that ended
+    without committing and that nobody has counted yet (RECEIVE does this before it hands out
+    messages, when its lease row found such a reader). Returns False when a lock stayed held
+    past :data:`COUNT_LOCK_TIMEOUT` (the caller's own transaction can hold one: then the
+    due-work pass counts the attempt instead), True otherwise."""
+    try:
+        with broker.engine.begin() as conn:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{COUNT_LOCK_TIMEOUT}'"))
+            holds = broker.adapter.reap_dead_leases(conn, queue_id)
+            if holds:
+                record_failed_attempts(broker, conn, holds, utcnow())
+    except DBAPIError as exc:
+        if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+            raise
+        log.warning(
+            "queue id %d: a dead reader's attempt waits for the next due-work pass to be "
+            "counted (a lock stayed held for %s: %s)",
+            queue_id,
+            COUNT_LOCK_TIMEOUT,
+            exc.orig,
+        )
+        return False
+    return True
+
+
+#: PostgreSQL's SQLSTATE for a lock not granted within lock_timeout.
+LOCK_NOT_AVAILABLE = "55P03"
 
 
 def backoff_seconds(q: Any, attempts: int) -> float | None:

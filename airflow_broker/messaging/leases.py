@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -85,9 +86,26 @@ def take_lease(
     commits at once): lease the next free group's messages; None when there are none."""
     seconds = _seconds(lease_seconds, "lease_seconds", positive=True)
     token = uuid.uuid4()
-    q, rows = tx._claim(queue, top, None, conversation_group_id, wait_seconds, lease_token=token)
-    if not rows:
-        return None
+    deadline = time.monotonic() + wait_seconds
+    look = True
+    while True:
+        savepoint = tx._needs_savepoint()
+        q, rows = tx._claim(
+            queue,
+            top,
+            None,
+            conversation_group_id,
+            max(0.0, deadline - time.monotonic()),
+            lease_token=token,
+            savepoint=savepoint,
+        )
+        if not rows:
+            return None
+        # As RECEIVE does (Receiving._hold): a reader of the queue that ended without
+        # committing is counted before its messages can be handed out again.
+        if not (look and tx.broker.adapter.dead_lease_on(q.queue_id)):
+            break
+        look = tx._give_claim_back(q, savepoint=savepoint)
     group = rows[0][1]  # conversation_group_id (MESSAGE_COLUMNS)
     now = utcnow()
     expires = now + timedelta(seconds=seconds)

@@ -24,6 +24,7 @@ from airflow_broker.errors import (
 from airflow_broker.messaging import leases
 from airflow_broker.messaging.arguments import Handle, as_uuid
 from airflow_broker.messaging.duework import DueWork
+from airflow_broker.messaging.failure import count_dead_attempts
 from airflow_broker.messaging.objects import (
     Message,
     messages_from_rows,
@@ -55,8 +56,23 @@ class Receiving(TransactionCore):
         :param conversation_group: only from this conversation group.
         :param wait_seconds: wait up to this long for messages (WAITFOR); 0 returns at once.
         """
-        q, rows = self._claim(queue, top, conversation_handle, conversation_group, wait_seconds)
-        return self._hold(q, rows)
+        deadline = time.monotonic() + wait_seconds
+        checked = True
+        while True:
+            savepoint = self._needs_savepoint()
+            q, rows = self._claim(
+                queue,
+                top,
+                conversation_handle,
+                conversation_group,
+                wait_seconds,
+                savepoint=savepoint,
+            )
+            held = self._hold(q, rows, checked=checked)
+            if held is not None:
+                return held
+            checked = self._give_claim_back(q, savepoint=savepoint)
+            wait_seconds = max(0.0, deadline - time.monotonic())
 
     def commit_and_receive(
         self, queue: str, top: int | None = None, *, wait_seconds: float = 0
@@ -98,8 +114,11 @@ class Receiving(TransactionCore):
                 nxt.rollback()
                 raise
         params["now"] = utcnow()
+        cleanup = b.adapter.lease_cleanup(list(self._leases.values()))
         try:
-            rows = direct.commit_then_execute(self.connection, prepared, [params[n] for n in names])
+            rows = direct.commit_then_execute(
+                self.connection, prepared, [params[n] for n in names], before=cleanup
+            )
         except direct.CommittedThenFailed as failed:
             self._committed(close=False)  # the connection is the successor's
             nxt._after_rollback()
@@ -114,31 +133,70 @@ class Receiving(TransactionCore):
             if not rows or queries.is_probe(rows):
                 return nxt, nxt.receive(queue, top=top, wait_seconds=wait_seconds)
             nxt._dirty = True
-            return nxt, nxt._hold(q, rows)
+            held = nxt._hold(q, rows)
+            if held is None:  # a dead reader's attempt is counted first (see _hold)
+                nxt._give_claim_back(q, savepoint=False)
+                held = nxt.receive(queue, top=top, wait_seconds=wait_seconds)
+            return nxt, held
         except BaseException:
             nxt.rollback()
             raise
 
-    def _hold(self, q: Any, rows: list[Any]) -> list[Message]:
+    def _hold(self, q: Any, rows: list[Any], *, checked: bool = True) -> list[Message] | None:
         """The messages of claimed ``rows`` of queue ``q``, held by this transaction's receive
-        lease (opened here on its first RECEIVE of the queue)."""
+        lease (opened here on its first RECEIVE of the queue).
+
+        None when they must not be handed out yet (PostgreSQL): the lease's row, written as
+        they were taken, found a reader of the queue that ended without committing and whose
+        attempt nobody has counted (it may have held these very messages). The caller gives
+        its claim back (:meth:`_give_claim_back`), which counts that attempt, and claims again: so
+        no hand-out escapes a count, and a group held back by the failure is seen as held.
+        ``checked=False`` holds them regardless."""
         if not rows:
             return []
-        if metrics.enabled():
-            self._received[q.name] = self._received.get(q.name, 0) + len(rows)
         held = [r[0] for r in rows]  # queuing_order (MESSAGE_COLUMNS)
         lease = self._leases.get(q.queue_id)
         adapter = self.broker.adapter
         if lease is None:
-            self._leases[q.queue_id] = adapter.open_lease(
-                self.connection, q.queue_id, self._lease_key, held
+            lease = adapter.open_lease(
+                self.connection, q.queue_id, self._lease_key, held, check=checked
             )
-            self._lease_key = None
         else:
-            adapter.hold_more(lease, held)
+            adapter.hold_more(lease, held, check=checked)
         # This hand-out is counted in the row only if it fails (its transaction is undone).
         ordered = queries.claim_is_ordered(adapter.dialect)
-        return messages_from_rows(rows, counted=False, ordered=ordered)
+        messages = messages_from_rows(rows, counted=False, ordered=ordered)
+        if not adapter.lease_written(lease):
+            return None
+        if q.queue_id not in self._leases:
+            self._leases[q.queue_id] = lease
+            self._lease_key = None
+        if metrics.enabled():
+            self._received[q.name] = self._received.get(q.name, 0) + len(rows)
+        return messages
+
+    def _needs_savepoint(self) -> bool:
+        """Whether a claim must be undone apart from the rest of this transaction (PostgreSQL:
+        it has done something of its own already), should it be given back (:meth:`_hold`)."""
+        return self.broker.dialect == "postgresql" and (self._dirty or bool(self._leases))
+
+    def _give_claim_back(self, q: Any, *, savepoint: bool) -> bool:
+        """Undo the claim :meth:`_hold` refused (back to its savepoint, or the whole transaction,
+        which held nothing else), then count the dead readers' attempts on ``q``. Returns
+        whether the next claim should look for dead readers again (False when counting them
+        had to wait for a lock, which this transaction may hold: then the due-work pass counts
+        them, and the next claim hands out what it takes)."""
+        if savepoint:
+            self.connection.exec_driver_sql(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT.decode()}")
+        else:
+            self.connection.rollback()
+            self._dirty = False
+        log.info(
+            "queue %r: a reader ended without committing; its attempt is counted before this "
+            "RECEIVE takes messages again",
+            q.name,
+        )
+        return count_dead_attempts(self.broker, q.queue_id)
 
     def _claim(
         self,
@@ -149,9 +207,12 @@ class Receiving(TransactionCore):
         wait_seconds: float,
         *,
         lease_token: uuid.UUID | None = None,
+        savepoint: bool = False,
     ) -> tuple[Any, list[Any]]:
         """Lock the next free group of ``queue`` with ready messages and take (or, with
-        ``lease_token``, mark) up to ``top`` of them, waiting up to ``wait_seconds``."""
+        ``lease_token``, mark) up to ``top`` of them, waiting up to ``wait_seconds``.
+        ``savepoint`` (PostgreSQL): each attempt sets the savepoint that
+        :meth:`_give_claim_back` undoes."""
         q, params, shape = self._claim_shape(
             queue, top, conversation_handle, conversation_group, lease_token
         )
@@ -160,9 +221,12 @@ class Receiving(TransactionCore):
             # One round trip, BEGIN included, on PostgreSQL (storage.direct).
             prepared, names = queries.claim_prepared(**shape)
 
+            mark = _SAVEPOINT if savepoint else None
+
             def take() -> list[Any]:
                 self._check_open()
-                return direct.execute(self.connection, prepared, [params[n] for n in names])
+                args = [params[n] for n in names]
+                return direct.execute(self.connection, prepared, args, savepoint=mark)
         else:
             stmt = queries.claim_statement(self.broker.dialect, **shape)
 
@@ -325,6 +389,10 @@ class Receiving(TransactionCore):
             self.connection.commit()
         if work.next_due is not None:
             b.note_due(work.next_due)
+
+
+#: The savepoint a claim sets when it may have to be undone apart (Receiving._give_claim_back).
+_SAVEPOINT = b"broker_claim"
 
 
 def _check_wait(wait_seconds: float) -> None:

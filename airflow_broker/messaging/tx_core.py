@@ -114,7 +114,7 @@ class TransactionCore:
                 # consecutive rollbacks (a committed RECEIVE breaks it).
                 adapter.leases_committing(conn, leases)
             if adapter.dialect == "postgresql":
-                direct.commit(conn)
+                direct.commit(conn, before=adapter.lease_cleanup(leases))
             else:
                 conn.commit()
         except BaseException:

@@ -24,6 +24,8 @@ class ReceiveLease:
     fd: int | None = None
     #: queuing_order of every message taken: a failed attempt counts them (receive_count)
     held: list[int] = field(default_factory=list)
+    #: PostgreSQL: taken by the last RECEIVE, held once its row says so (lease_written)
+    pending: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +53,22 @@ class EngineAdapter(Protocol):
     def new_lease_key(self) -> int | None: ...
 
     def open_lease(
-        self, conn: Connection, queue_id: int, key: int | None, held: list[int]
+        self,
+        conn: Connection,
+        queue_id: int,
+        key: int | None,
+        held: list[int],
+        *,
+        check: bool = True,
     ) -> ReceiveLease: ...
 
-    def hold_more(self, lease: ReceiveLease, held: list[int]) -> None: ...
+    def hold_more(self, lease: ReceiveLease, held: list[int], *, check: bool = True) -> None: ...
+
+    def lease_written(self, lease: ReceiveLease) -> bool: ...
+
+    def lease_cleanup(self, leases: list[ReceiveLease]) -> bytes | None: ...
+
+    def dead_lease_on(self, queue_id: int) -> bool: ...
 
     def forget_leases(self, conn: Connection, leases: list[ReceiveLease]) -> list[FailedHold]: ...
 
@@ -62,7 +76,9 @@ class EngineAdapter(Protocol):
 
     def close_leases(self, leases: list[ReceiveLease]) -> None: ...
 
-    def reap_dead_leases(self, conn: Connection) -> list[FailedHold]: ...
+    def reap_dead_leases(
+        self, conn: Connection, queue_id: int | None = None
+    ) -> list[FailedHold]: ...
 
     def dead_leases(self, conn: Connection) -> list[tuple[str, int]]: ...
 

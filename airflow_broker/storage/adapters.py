@@ -37,7 +37,8 @@ from typing import Any
 from sqlalchemy import event, make_url, text
 from sqlalchemy.engine import URL, Connection, Engine
 
-from airflow_broker.storage import direct, pooler
+from airflow_broker.errors import BrokerError
+from airflow_broker.storage import direct, pooler, receive_leases
 from airflow_broker.storage.adapter_base import (
     TRANSMIT_CHANNEL,
     EngineAdapter,
@@ -250,38 +251,105 @@ class PostgresAdapter:
         return random.getrandbits(63) or 1
 
     def open_lease(
-        self, conn: Connection, queue_id: int, key: int | None, held: list[int]
+        self,
+        conn: Connection,
+        queue_id: int,
+        key: int | None,
+        held: list[int],
+        *,
+        check: bool = True,
     ) -> ReceiveLease:
-        """Register, outside the transaction, that it holds messages ``held`` of ``queue_id``.
+        """Register, outside the transaction, that it holds messages ``held`` of ``queue_id``
+        under the lease ``key``, whose advisory lock the RECEIVE statement that took them holds.
 
-        Called right after the RECEIVE statement that took messages and inserted the commit
-        marker for ``key`` (that same statement, so the marker exists if and only if the
-        transaction commits). The row is sent on the side connection and not waited for."""
+        The row is sent on the side connection; :meth:`lease_written` waits for it. It is not
+        written while a reader of the queue that ended without committing is uncounted
+        (:mod:`~airflow_broker.storage.receive_leases`; ``check=False``: written regardless)."""
         assert key is not None
         pid, backend_start = self._backend(conn)
+        lease = ReceiveLease(queue_id=queue_id, key=key, pending=list(held))
+        self._write_lease(lease, pid, backend_start, check=check, first=True)
+        return lease
+
+    def hold_more(self, lease: ReceiveLease, held: list[int], *, check: bool = True) -> None:
+        """A later RECEIVE of the same transaction took more messages of the lease's queue
+        (sent as :meth:`open_lease` is, on the same condition)."""
+        lease.pending = list(held)
+        self._write_lease(lease, None, None, check=check, first=False)
+
+    def _write_lease(
+        self,
+        lease: ReceiveLease,
+        pid: bytes | None,
+        backend_start: bytes | None,
+        *,
+        check: bool,
+        first: bool,
+    ) -> None:
         self._side.send(
-            _OPEN_LEASE,
+            receive_leases.WRITE,
             (
-                b"%d" % key,
-                b"%d" % queue_id,
+                b"%d" % lease.key,
+                b"%d" % lease.queue_id,
                 pid,
                 backend_start,
                 utcnow().isoformat().encode(),
-                _held_text(held),
+                _held_text(lease.held + lease.pending),
+                _BOOL[check],
+                _BOOL[first],
             ),
+            wanted=True,
         )
-        return ReceiveLease(queue_id=queue_id, key=key, held=list(held))
 
-    def hold_more(self, lease: ReceiveLease, held: list[int]) -> None:
-        """A later RECEIVE of the same transaction took more messages of the lease's queue."""
-        lease.held.extend(held)
+    def lease_written(self, lease: ReceiveLease) -> bool:
+        """Wait for the row :meth:`open_lease` or :meth:`hold_more` sent. True: the lease holds
+        the messages taken last. False: nothing was written, because a reader of the queue
+        ended without committing and is uncounted; the caller gives back what it took and
+        counts that reader first (:meth:`reap_dead_leases`).
+
+        A side connection that failed (logged) holds nothing back: RECEIVE goes on, and a
+        reader that then dies is counted by nobody.
+
+        :raises BrokerError: the receiving transaction ended before its row was written (its
+            connection was lost): what it took is back in the queue, and nothing is handed out.
+        """
+        pending, lease.pending = lease.pending, []
+        answer = self._side.answer()
+        code = None if answer is None or answer[0] is None else int(answer[0])
+        if code == receive_leases.DEAD_READER:
+            return False
+        if code == receive_leases.TRANSACTION_GONE:
+            raise BrokerError(
+                f"receive lease {lease.key}: the receiving transaction ended (its connection "
+                "was lost) before its messages were handed out; they are back in their queue"
+            )
+        if code == receive_leases.KEY_TAKEN:
+            log.error("receive lease %d was not written: its key is taken", lease.key)
+        lease.held.extend(pending)
+        return True
+
+    def dead_lease_on(self, queue_id: int) -> bool:
+        """Whether a reader of ``queue_id`` ended without committing and nobody has counted
+        that attempt yet (read on the side connection, after every lease row written so far)."""
         self._side.send(
-            "UPDATE broker_receive_lease SET held = $1 WHERE lease_key = $2",
-            (_held_text(lease.held), b"%d" % lease.key),
+            receive_leases.WRITE,
+            (None, b"%d" % queue_id, None, None, None, None, b"t", b"f"),
+            wanted=True,
         )
+        answer = self._side.answer()
+        return answer is not None and answer[0] == b"%d" % receive_leases.DEAD_READER
+
+    def lease_cleanup(self, leases: list[ReceiveLease]) -> bytes | None:
+        """The statement a committing transaction runs last: its lease rows go with it, so a
+        lease row whose lock is free belongs to a transaction that did not commit."""
+        if not leases:
+            return None
+        keys = b",".join(b"%d" % lease.key for lease in leases)
+        return b"DELETE FROM broker_receive_lease WHERE lease_key IN (" + keys + b")"
 
     def leases_committing(self, conn: Connection, leases: list[ReceiveLease]) -> None:
-        """Nothing left to do: RECEIVE's statement wrote the markers and reset the run."""
+        """Nothing to do apart: the COMMIT's query deletes the rows (lease_cleanup), and
+        RECEIVE's statement ended the queue's run of rollbacks."""
 
     def close_leases(self, leases: list[ReceiveLease]) -> None:
         """Nothing to release: the due-work pass clears committed leases."""
@@ -301,32 +369,42 @@ class PostgresAdapter:
         )
         return [_failed(r.queue_id, r.held) for r in rows]
 
-    def reap_dead_leases(self, conn: Connection) -> list[FailedHold]:
-        """Clear leases of committed transactions; return the queues of those whose reader died
-        (its lock free, no commit marker): each one is a rolled-back receive.
+    def reap_dead_leases(self, conn: Connection, queue_id: int | None = None) -> list[FailedHold]:
+        """Return what the readers that ended without committing held (a lease row whose lock
+        is free and that no commit marker vouches for): each one is a rolled-back receive, and
+        its row is deleted here, so it is counted once. ``queue_id``: that queue's only.
+
+        A committing transaction deletes its lease rows itself. Rows written by versions that
+        marked commits instead (``broker_receive_commit``, before migration 0025) are cleared
+        here when their marker says they committed.
 
         Two statements, in this order: the first takes the lock of every lease that has no
         marker and whose lock is free (its transaction has ended); the second, with a snapshot
-        taken after, deletes those that still have no marker. A transaction releases its locks
-        only once its commit is visible, so a reader that committed as the first statement ran
-        is seen to have committed by the second, and is not counted."""
-        conn.execute(
-            text(
-                "WITH done AS (DELETE FROM broker_receive_commit c "
-                " USING broker_receive_lease l WHERE c.lease_key = l.lease_key "
-                " RETURNING c.lease_key) "
-                "DELETE FROM broker_receive_lease WHERE lease_key IN (SELECT lease_key FROM done)"
+        taken after, deletes those that are still there with no marker. A transaction releases
+        its locks only once its commit is visible, so a reader that committed as the first
+        statement ran is seen to have committed (its row gone) by the second, and is not
+        counted."""
+        only = "" if queue_id is None else " AND l.queue_id = :queue_id"
+        params = {} if queue_id is None else {"queue_id": queue_id}
+        if queue_id is None:
+            conn.execute(
+                text(
+                    "WITH done AS (DELETE FROM broker_receive_commit c "
+                    " USING broker_receive_lease l WHERE c.lease_key = l.lease_key "
+                    " RETURNING c.lease_key) "
+                    "DELETE FROM broker_receive_lease WHERE lease_key IN "
+                    "(SELECT lease_key FROM done)"
+                )
             )
-        )
         ended = [
             row.lease_key
             for row in conn.execute(
                 text(
-                    "SELECT l.lease_key FROM broker_receive_lease l"
-                    " WHERE NOT EXISTS (SELECT 1 FROM broker_receive_commit c"
-                    "                   WHERE c.lease_key = l.lease_key)"
-                    f" AND {_LEASE_ENDED}"
-                )
+                    f"SELECT l.lease_key FROM broker_receive_lease l"
+                    f" WHERE {receive_leases.NO_MARKER}{only}"
+                    f" AND {receive_leases.LEASE_ENDED}"
+                ),
+                params,
             )
         ]
         if not ended:
@@ -349,7 +427,7 @@ class PostgresAdapter:
         rows = conn.execute(
             text(
                 "SELECT l.lease_key, l.queue_id, l.pid FROM broker_receive_lease l"
-                f" WHERE {_LEASE_UNLOCKED}"
+                f" WHERE {receive_leases.LEASE_UNLOCKED}"
                 " AND NOT EXISTS (SELECT 1 FROM broker_receive_commit c"
                 "                 WHERE c.lease_key = l.lease_key)"
                 " ORDER BY l.lease_key"
@@ -366,32 +444,8 @@ class PostgresAdapter:
             self._idle_listeners.clear()
 
 
-#: A receive lease's row, sent on the side connection (see PostgresAdapter.open_lease).
-_OPEN_LEASE = (
-    "INSERT INTO broker_receive_lease (lease_key, queue_id, pid, backend_start, "
-    "started_at, held, xact_lock) VALUES ($1, $2, $3, $4, $5, $6, true) ON CONFLICT DO NOTHING"
-)
-
-#: A lease row ``l`` whose server process is gone (rows written before migration 0023).
-_BACKEND_GONE = (
-    "NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = l.pid"
-    " AND (a.backend_start IS NULL OR l.backend_start IS NULL"
-    "      OR a.backend_start = l.backend_start))"
-)
-#: A lease row ``l`` whose transaction has ended, its lock taken by the caller's transaction
-#: (the receiving transaction holds an advisory lock on its key: queries.claim_statement).
-_LEASE_ENDED = (
-    f"CASE WHEN l.xact_lock THEN pg_try_advisory_xact_lock(l.lease_key) ELSE {_BACKEND_GONE} END"
-)
-#: The same, read from pg_locks without taking anything (a bigint key is classid, objid).
-_LEASE_UNLOCKED = (
-    "CASE WHEN l.xact_lock THEN NOT EXISTS (SELECT 1 FROM pg_locks k"
-    " WHERE k.locktype = 'advisory' AND k.objsubid = 1 AND k.granted"
-    " AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-    " AND k.classid = CAST(l.lease_key >> 32 AS oid)"
-    " AND k.objid = CAST(l.lease_key & 4294967295 AS oid))"
-    f" ELSE {_BACKEND_GONE} END"
-)
+#: A boolean parameter in PostgreSQL's text format.
+_BOOL = {True: b"t", False: b"f"}
 
 
 def broker_url(url: str) -> URL:

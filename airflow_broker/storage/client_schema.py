@@ -266,7 +266,8 @@ def _statements(conn: Connection, role: str, *, grant: bool) -> list[str]:
         *(("TABLE", f"{C}.{t}", "SELECT") for t in (*READ_ONLY, "broker_permission")),
         ("TABLE", f"{C}.broker_queue", "SELECT, UPDATE"),
         *(("TABLE", f"{C}.{t}", "SELECT, INSERT, UPDATE, DELETE") for t in READ_WRITE),
-        ("TABLE", f"{C}.broker_receive_commit", "INSERT"),
+        # Read by RECEIVE's look for a dead lease (storage.adapters); written by earlier versions.
+        ("TABLE", f"{C}.broker_receive_commit", "SELECT, INSERT"),
         ("TABLE", f"{C}.broker_event", "SELECT, INSERT"),
         *(("SEQUENCE", seq, "USAGE") for seq in sequences if seq),
         *(("FUNCTION", f"{C}.{f}", "EXECUTE") for f in FUNCTIONS),

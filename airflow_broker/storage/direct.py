@@ -81,10 +81,18 @@ MAX_LITERAL_BODY = 64 * 1024
 
 # -- running ---------------------------------------------------------------------------------
 def execute(
-    conn: Connection, statement: Prepared, args: Sequence[Any], *, commit: bool = False
+    conn: Connection,
+    statement: Prepared,
+    args: Sequence[Any],
+    *,
+    commit: bool = False,
+    savepoint: bytes | None = None,
 ) -> list[tuple[Any, ...]]:
     """Run ``statement`` with ``args`` inside ``conn``'s transaction (begun here when it is
     not yet) in one round trip; return its rows as tuples.
+
+    ``savepoint``: a savepoint of that name is set just before the statement, in the same
+    round trip (``ROLLBACK TO SAVEPOINT`` then undoes the statement and what followed it).
 
     ``commit``: the transaction's COMMIT follows in the same query; it runs only if the
     statement succeeded (the server runs nothing of a query after its first error). SQLAlchemy's
@@ -105,7 +113,8 @@ def execute(
     parts = [statement.prepare] if new else []
     if begin:
         parts.append(b"BEGIN")
-    parts += sent
+    mark = [] if savepoint is None else [b"SAVEPOINT " + savepoint]
+    parts += mark + sent
     tail = [b"COMMIT"] if commit else []
     pick = -1 - len(statement.after) - len(tail)
     try:
@@ -122,7 +131,7 @@ def execute(
         conn.rollback()
         conn.begin()
         _, sent = _statement_parts(statement, literals, inline=True)
-        result = _run(conn, raw, b";".join([b"BEGIN", *sent, *tail]), pick=pick)
+        result = _run(conn, raw, b";".join([b"BEGIN", *mark, *sent, *tail]), pick=pick)
     return _rows(info, raw, result)
 
 
@@ -269,14 +278,18 @@ def _rows(info: dict[str, Any], raw: Any, result: PGresult) -> list[tuple[Any, .
     return rows
 
 
-def commit(conn: Connection) -> None:
+def commit(conn: Connection, *, before: bytes | None = None) -> None:
     """Commit ``conn``'s transaction with a COMMIT sent through libpq (psycopg's own commit costs
     about as much client CPU as the round trip itself), then SQLAlchemy's commit, which finds
-    the server idle and sends nothing. A transaction in error goes the usual way."""
+    the server idle and sends nothing. A transaction in error goes the usual way.
+
+    ``before``: a statement (SQL with no parameters) the transaction runs last, in the same
+    round trip; if it fails, nothing is committed and its error is raised."""
     if conn.in_transaction():
         raw: Any = conn.connection.driver_connection
         if raw.pgconn.transaction_status == _INTRANS:
-            result = _run(conn, raw, b"COMMIT")
+            query = b"COMMIT" if before is None else before + b";COMMIT"
+            result = _run(conn, raw, query)
             if result.command_status != b"COMMIT":
                 raise RuntimeError(f"COMMIT answered {result.command_status!r}")
     conn.commit()
@@ -308,11 +321,11 @@ def can_commit_then_execute(conn: Connection, statement: Prepared) -> bool:
 
 
 def commit_then_execute(
-    conn: Connection, statement: Prepared, args: Sequence[Any]
+    conn: Connection, statement: Prepared, args: Sequence[Any], *, before: bytes | None = None
 ) -> list[tuple[Any, ...]]:
     """Commit ``conn``'s transaction and run ``statement`` with ``args`` in the next one, in one
     round trip (``COMMIT; BEGIN; EXECUTE ...``); return its rows. Only when
-    :func:`can_commit_then_execute` says so.
+    :func:`can_commit_then_execute` says so. ``before``: as for :func:`commit`.
 
     SQLAlchemy's transaction on ``conn`` stays open and is the new one's: commit it with
     :func:`commit`, or roll it back.
@@ -327,8 +340,13 @@ def commit_then_execute(
     # Behind a pooler the whole query runs on one server process: the transaction that BEGIN
     # opens keeps it, and the statement goes whole or after the block that prepares it.
     _, sent = _statement_parts(statement, literals, inline=conn.engine in _inline_engines)
-    query = b";".join([b"COMMIT", b"BEGIN", *sent])
+    first = [] if before is None else [before]
+    query = b";".join([*first, b"COMMIT", b"BEGIN", *sent])
     results = _results(conn, raw, query)
+    if before is not None:
+        if results[0].status not in _SUCCESS:
+            _raise(conn, raw, query, results[0])
+        results = results[1:]
     done = results[0]
     if done.status not in _SUCCESS:
         _raise(conn, raw, query, done)
@@ -471,7 +489,8 @@ _IDLE = 0
 _INTRANS = 2
 CONNECTION_OK = 0
 COMMAND_OK = 1
-_SUCCESS = (COMMAND_OK, 2)
+TUPLES_OK = 2
+_SUCCESS = (COMMAND_OK, TUPLES_OK)
 #: libpq's PG_DIAG_SQLSTATE field code ('C').
 _SQLSTATE = ord("C")
 
@@ -480,6 +499,7 @@ __all__ = [
     "COMMAND_OK",
     "CONNECTION_OK",
     "MAX_LITERAL_BODY",
+    "TUPLES_OK",
     "CommittedThenFailed",
     "Prepared",
     "can_commit_then_execute",

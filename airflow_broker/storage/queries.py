@@ -107,6 +107,13 @@ _TAKEN_OR_PROBE = (
 )
 
 
+#: PostgreSQL: a claim that takes messages takes its receive lease's transaction-level advisory
+#: lock (once, an InitPlan run on the first row), held until the transaction ends, however it
+#: ends: the lease row's proof that its transaction is still open (storage.adapters). The lock
+#: never refuses a row (it is held or not, never NULL).
+_LEASE_LOCK = "(SELECT pg_try_advisory_xact_lock(CAST(:lease_key AS bigint))) IS NOT NULL"
+
+
 def is_probe(rows: list[Any]) -> bool:
     """Whether a PostgreSQL claim's answer is its probe row (it took nothing; see
     :data:`_TAKEN_OR_PROBE`): a message's ``queuing_order`` is never NULL."""
@@ -251,10 +258,9 @@ def claim_statement(
     ``queuing_order = ANY(ARRAY(...))``, which stays an index scan of the primary key in any
     plan (``IN (SELECT ...)`` became a hash join over the whole table in the generic plan).
 
-    ``mark`` (PostgreSQL, poison handling on; bind ``lease_key``): when messages are taken, the
-    same statement takes the lease's transaction-level advisory lock, inserts this transaction's
-    commit marker for its lease and ends the queue's run of rolled-back receives (the last two
-    take effect only if the transaction commits).
+    ``mark`` (PostgreSQL; bind ``lease_key``): when messages are taken, the same statement takes
+    the receive lease's transaction-level advisory lock and ends the queue's run of rolled-back
+    receives (which takes effect only if the transaction commits).
 
     ``lease`` (bind ``token``): instead of taking the messages, mark them with the lease's token
     and count the hand-out (:mod:`airflow_broker.messaging.leases` holds the group).
@@ -328,18 +334,10 @@ def _claim_sql(
     if mark:
         sql = (
             f"{picked}, taken AS ({taking}), "
-            # The lease's lock: held until the transaction ends, however it ends (the
-            # reaper's test of a lease, storage.adapters). Taken in a FROM item so that a
-            # marker is never written without it.
-            "marked AS (INSERT INTO broker_receive_commit (lease_key) "
-            "SELECT CAST(:lease_key AS bigint) "
-            "FROM (SELECT pg_try_advisory_xact_lock(CAST(:lease_key AS bigint))) AS held_lock "
-            "WHERE EXISTS (SELECT 1 FROM taken) "
-            "ON CONFLICT DO NOTHING), "
             "reset AS (UPDATE broker_queue SET rollback_count = 0 "
             "WHERE queue_id = :queue_id AND rollback_count > 0 "
             "AND EXISTS (SELECT 1 FROM taken)) "
-            f"{_TAKEN_OR_PROBE}"
+            f"{_TAKEN_OR_PROBE.replace('FROM taken ', f'FROM taken WHERE {_LEASE_LOCK} ', 1)}"
         )
     elif claim_is_ordered(dialect):
         sql = f"{picked}, taken AS ({taking}) {_TAKEN_OR_PROBE}"

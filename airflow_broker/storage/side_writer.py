@@ -31,10 +31,17 @@ import contextlib
 import logging
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from airflow_broker.storage.direct import COMMAND_OK, CONNECTION_OK, flush, wait_ready
+from airflow_broker.storage.direct import (
+    COMMAND_OK,
+    CONNECTION_OK,
+    TUPLES_OK,
+    flush,
+    wait_ready,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,18 +65,26 @@ class SideWriter:
         self._pid = 0
         #: statements sent whose answers are not read yet
         self._pending = 0
+        #: for each of them, whether its caller wants its answer (:meth:`answer`)
+        self._wanted: deque[bool] = deque()
+        #: the first row of the last wanted answer read (None: the server refused it, or the
+        #: connection was lost)
+        self._answer: tuple[bytes | None, ...] | None = None
         #: SQL -> the name it is prepared under on the current connection
         self._prepared: dict[str, bytes] = {}
         #: connections a forked child inherited: never used or closed here (that would talk
         #: over the parent's socket), only kept from the garbage collector
         self._inherited: list[Any] = []
 
-    def send(self, sql: str, values: Sequence[bytes | None]) -> None:
+    def send(self, sql: str, values: Sequence[bytes | None], *, wanted: bool = False) -> None:
         """Send ``sql`` (``$1``... for ``values``, each already in PostgreSQL's text format;
         None is NULL) to run in a transaction of its own. Each statement is prepared once per
         connection (the server's parse and plan were a quarter of a lease row's cost). The
         caller encodes the values: what does not change (a receive lease's server process) is
-        encoded once, not on every RECEIVE."""
+        encoded once, not on every RECEIVE.
+
+        ``wanted``: the caller reads the statement's answer with :meth:`answer` (and may do
+        other work first, while the server runs it)."""
         with self._lock:
             for attempt in (1, 2):
                 try:
@@ -86,6 +101,9 @@ class SideWriter:
                         conn.pgconn.send_query_prepared(name, params)
                     flush(conn.pgconn)
                     self._pending += 1
+                    self._wanted.append(wanted)
+                    if wanted:
+                        self._answer = None
                     if self._unnamed:
                         # A pooler reads a statement and then finds it a server: a client that
                         # dies before that loses it. Its answer is the proof it ran.
@@ -98,6 +116,20 @@ class SideWriter:
                     if attempt == 2:
                         raise
                     log.warning("side connection lost (%s): connecting again", exc)
+
+    def answer(self) -> tuple[bytes | None, ...] | None:
+        """Wait for the statement last sent with ``wanted`` and return the first row of its
+        answer, each value in PostgreSQL's text format; None if the server refused it or the
+        connection was lost before it answered (whether it ran is then unknown)."""
+        with self._lock:
+            if self._conn is not None and self._pending:
+                try:
+                    self._drain(self._conn)
+                except Exception as exc:
+                    log.warning("side connection lost before it answered: %s", exc)
+                    self._discard()
+            found, self._answer = self._answer, None
+            return found
 
     def sync(self) -> None:
         """Wait until everything sent so far has run."""
@@ -124,6 +156,7 @@ class SideWriter:
         if self._conn is not None and self._pid != os.getpid():
             self._inherited.append(self._conn)
             self._conn, self._pending = None, 0
+            self._wanted.clear()
             self._prepared.clear()
         if self._conn is None or self._conn.closed:
             self._unnamed = self._pooled()
@@ -131,6 +164,7 @@ class SideWriter:
             if not self._unnamed:
                 conn.execute("SET synchronous_commit = off")
             self._conn, self._pid, self._pending = conn, os.getpid(), 0
+            self._wanted.clear()
             self._prepared.clear()
         return self._conn
 
@@ -155,10 +189,14 @@ class SideWriter:
             result = pgconn.get_result()
             if result is None:  # the end of one statement's answers
                 self._pending -= 1
+                self._wanted.popleft()
                 if pgconn.status != CONNECTION_OK:
                     raise ConnectionError(pgconn.get_error_message().decode(errors="replace"))
                 continue
-            if result.status != COMMAND_OK:
+            if result.status == TUPLES_OK:
+                if self._wanted[0] and result.ntuples:
+                    self._answer = tuple(result.get_value(0, i) for i in range(result.nfields))
+            elif result.status != COMMAND_OK:
                 message = (result.error_message or b"").decode(errors="replace").strip()
                 log.error("a write outside the transaction failed: %s", message)
             elif result.command_status == b"INSERT 0 0":
@@ -166,6 +204,7 @@ class SideWriter:
 
     def _discard(self) -> None:
         conn, self._conn, self._pending = self._conn, None, 0
+        self._wanted.clear()
         self._prepared.clear()
         if conn is None:
             return

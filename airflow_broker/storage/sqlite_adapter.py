@@ -107,7 +107,13 @@ class SqliteAdapter:
         return None  # the lease is a locked file, named when it is opened
 
     def open_lease(
-        self, conn: Connection, queue_id: int, key: int | None, held: list[int]
+        self,
+        conn: Connection,
+        queue_id: int,
+        key: int | None,
+        held: list[int],
+        *,
+        check: bool = True,
     ) -> ReceiveLease:
         if self._lease_dir is None:
             # an in-memory database dies with its process
@@ -120,13 +126,25 @@ class SqliteAdapter:
         self.hold_more(lease, held)
         return lease
 
-    def hold_more(self, lease: ReceiveLease, held: list[int]) -> None:
+    def hold_more(self, lease: ReceiveLease, held: list[int], *, check: bool = True) -> None:
         """The file says which queue and which messages: ``{"queue_id": 1, "held": [...]}``."""
         lease.held.extend(held)
         if lease.fd is not None:
             data = json.dumps({"queue_id": lease.queue_id, "held": lease.held}).encode()
             os.ftruncate(lease.fd, 0)
             os.pwrite(lease.fd, data, 0)
+
+    def lease_written(self, lease: ReceiveLease) -> bool:
+        """The file is written as the lease opens (a RECEIVE holds the only write lock)."""
+        return True
+
+    def lease_cleanup(self, leases: list[ReceiveLease]) -> bytes | None:
+        """Nothing to run before COMMIT: the files go after it (close_leases)."""
+        return None
+
+    def dead_lease_on(self, queue_id: int) -> bool:
+        """A RECEIVE holds the only write lock: no reader of the queue can die meanwhile."""
+        return False
 
     def leases_committing(self, conn: Connection, leases: list[ReceiveLease]) -> None:
         # The files go after the commit (close_leases); the commit breaks the run of rollbacks.
@@ -152,7 +170,7 @@ class SqliteAdapter:
         self.close_leases(leases)
         return [FailedHold(lease.queue_id, tuple(lease.held)) for lease in leases]
 
-    def reap_dead_leases(self, conn: Connection) -> list[FailedHold]:
+    def reap_dead_leases(self, conn: Connection, queue_id: int | None = None) -> list[FailedHold]:
         if self._lease_dir is None or not self._lease_dir.exists():
             return []
         dead: list[FailedHold] = []

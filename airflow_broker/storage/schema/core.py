@@ -380,6 +380,8 @@ receive_lease = Table(
     # The queuing_order of every message taken (JSON): a failed attempt counts them.
     Column("held", Text, nullable=True),
     Column("xact_lock", Boolean, nullable=False, server_default=text("false")),  # see comment
+    # RECEIVE looks for a dead lease of the queue it took from before it hands messages out.
+    Index("ix_broker_receive_lease_queue_id", "queue_id"),
     info={"unlogged": True},
     comment=(
         "One row per open receiving transaction (PostgreSQL), deleted by its commit. With its lock "
