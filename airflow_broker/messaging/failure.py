@@ -23,6 +23,7 @@ it until the dead letters are received.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable
@@ -190,15 +191,24 @@ def _count(
 ) -> list[Any]:
     """The failed attempt's messages still in the queue, with their receive counts.
 
-    On PostgreSQL, messages another reader has taken meanwhile (it locked them: the group was
-    free the moment this attempt failed) are skipped rather than waited for: due work and a
-    rollback never wait for someone else's handler. That reader's own attempt decides."""
+    On PostgreSQL their conversation groups are locked first (rule 0 of
+    :mod:`airflow_broker.messaging`: a group before its messages). A reader that holds one took
+    it after this attempt failed, and gives it back without handing anything out once its
+    lease row finds this attempt uncounted (``Receiving._hold``): so a group held by another
+    transaction is tried again for up to :data:`GROUP_WAIT_SECONDS` (without blocking on it:
+    that transaction may be this process's own, waiting for this one). Holding the groups,
+    the accounting is done before anyone can take them again, dead-lettering and the backoff
+    hold included. Messages of a group still held after that are left to that reader's own
+    attempt, which decides."""
     m = s.message
     cols = (m.c.queuing_order, m.c.conversation_handle, m.c.conversation_group_id)
     if not held:
         return []
     where: tuple[Any, ...] = (m.c.queue_id == queue_id, m.c.queuing_order.in_(sorted(set(held))))
     if dialect == "postgresql":
+        locked = _lock_groups(conn, select(m.c.conversation_group_id).where(*where).distinct())
+        where = (*where, m.c.conversation_group_id.in_(sorted(locked)))
+        # Never waiting for a message either (whoever could hold one holds its group too).
         free = select(m.c.queuing_order).where(*where).with_for_update(skip_locked=True)
         where = (m.c.queuing_order.in_(free.scalar_subquery()),)
     if counted:
@@ -211,6 +221,35 @@ def _count(
             .returning(*cols, m.c.receive_count)
         ).all()
     )
+
+
+#: How long failure accounting tries again for a conversation group another transaction holds.
+GROUP_WAIT_SECONDS = 2.0
+
+
+def _lock_groups(conn: Connection, groups: Any) -> set[uuid.UUID]:
+    """Lock the conversation groups ``groups`` (a SELECT of their ids) FOR NO KEY UPDATE, each
+    tried again every few milliseconds while another transaction holds it, for up to
+    :data:`GROUP_WAIT_SECONDS`; returns those locked."""
+    g = s.conversation_group
+    wanted = set(conn.execute(groups).scalars())
+    locked: set[uuid.UUID] = set()
+    deadline = time.monotonic() + GROUP_WAIT_SECONDS
+    while True:
+        rest = sorted(wanted - locked)
+        if not rest:
+            return locked
+        locked.update(
+            conn.execute(
+                select(g.c.conversation_group_id)
+                .where(g.c.conversation_group_id.in_(rest))
+                .order_by(g.c.conversation_group_id)
+                .with_for_update(key_share=True, skip_locked=True)
+            ).scalars()
+        )
+        if locked >= wanted or time.monotonic() >= deadline:
+            return locked
+        time.sleep(0.005)
 
 
 def _hold_groups(

@@ -378,12 +378,12 @@ class PostgresAdapter:
         marked commits instead (``broker_receive_commit``, before migration 0025) are cleared
         here when their marker says they committed.
 
-        Two statements, in this order: the first takes the lock of every lease that has no
-        marker and whose lock is free (its transaction has ended); the second, with a snapshot
-        taken after, deletes those that are still there with no marker. A transaction releases
-        its locks only once its commit is visible, so a reader that committed as the first
-        statement ran is seen to have committed (its row gone) by the second, and is not
-        counted."""
+        Two statements, in this order: the first finds every lease that has no marker and whose
+        lock is free (its transaction has ended; the lock is taken and given back at once); the
+        second, with a snapshot taken after, deletes those that are still there with no marker.
+        A transaction releases its locks only once its commit is visible, so a reader that
+        committed as the first statement ran is seen to have committed (its row gone) by the
+        second, and is not counted."""
         only = "" if queue_id is None else " AND l.queue_id = :queue_id"
         params = {} if queue_id is None else {"queue_id": queue_id}
         if queue_id is None:

@@ -36,9 +36,14 @@ BACKEND_GONE = (
     " AND (a.backend_start IS NULL OR l.backend_start IS NULL"
     "      OR a.backend_start = l.backend_start))"
 )
-#: A lease row ``l`` whose transaction has ended, its lock taken by the caller's transaction.
+#: A lease row ``l`` whose transaction has ended: its lock is free (taken and given back at
+#: once, so that the caller, counting it, never makes it look alive to a RECEIVE that looks
+#: for dead readers meanwhile).
 LEASE_ENDED = (
-    f"CASE WHEN l.xact_lock THEN pg_try_advisory_xact_lock(l.lease_key) ELSE {BACKEND_GONE} END"
+    "CASE WHEN NOT l.xact_lock THEN "
+    f"{BACKEND_GONE} "
+    "WHEN pg_try_advisory_lock(l.lease_key) THEN pg_advisory_unlock(l.lease_key) "
+    "ELSE false END"
 )
 #: The same, read from pg_locks without taking anything (a bigint key is classid, objid).
 LEASE_UNLOCKED = (
