@@ -10,11 +10,12 @@ PostgreSQL
     Waits LISTEN on a per-queue channel; a trigger on ``broker_message`` NOTIFYs it whenever ready
     messages are written (migration 0002), so a waiter wakes within milliseconds of the commit.
     A receiving transaction's RECEIVE statement takes a transaction-level advisory lock on its
-    lease's key and writes the lease's commit marker, visible only if the transaction commits;
-    it registers the lease (queue, messages held) through a side connection
-    (``storage.side_writer``: sent, not waited for), so the row is visible at once. A lease
-    whose lock is free and that has no marker belongs to a reader that died without
-    committing. The lock goes with the transaction, however it ends, through a pooler too.
+    lease's key; the lease row (queue, messages held) is written through a side connection
+    (``storage.side_writer``) before RECEIVE hands the messages out, and deleted by the
+    transaction's COMMIT. A lease whose lock is free belongs to a reader that ended without
+    committing; a RECEIVE of its queue counts it before handing anything out
+    (:mod:`~airflow_broker.storage.receive_leases`). The lock goes with the transaction,
+    however it ends, through a pooler too.
 
 SQLite
     A broker transaction takes the single write lock at its first statement (``BEGIN IMMEDIATE``).
