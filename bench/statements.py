@@ -136,7 +136,9 @@ def _install_listeners() -> None:
     def observed(query: bytes, seconds: float) -> None:
         if not LOG.active:
             return
-        if query == b"COMMIT":
+        if query == b"COMMIT" or (
+            query.startswith(b"DELETE FROM broker_receive_lease") and query.endswith(b";COMMIT")
+        ):  # a COMMIT, with its transaction's lease rows deleted in the same query
             LOG.commands["COMMIT"] += 1
             LOG.commit_seconds += seconds
             return
