@@ -8,9 +8,8 @@ transaction holds only what it received.
 
 from __future__ import annotations
 
-import re
-
 import multiprocessing
+import re
 import signal
 from typing import Any
 
