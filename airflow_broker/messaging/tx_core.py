@@ -33,6 +33,7 @@ from airflow_broker.security import permissions
 from airflow_broker.storage import direct
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.adapters import FailedHold, ReceiveLease
+from airflow_broker.storage.sqlite_adapter import SqliteAdapter
 
 if TYPE_CHECKING:
     from airflow_broker.storage.context import BrokerContext
@@ -151,7 +152,20 @@ class TransactionCore:
     def _after_rollback(self) -> None:
         conn = self.connection
         self._done = True
+        adapter = self.broker.adapter
         try:
+            leases = list(self._leases.values())
+            if (
+                leases
+                and isinstance(adapter, SqliteAdapter)
+                and adapter.rollback_keeping_lock(conn)
+            ):
+                # SQLite: undone, but the transaction (the write lock) is still open: the
+                # failed attempt is counted and its group held before any other RECEIVE can
+                # take the group again.
+                self._record_failures(conn, adapter.forget_leases(conn, leases))
+                conn.commit()
+                return
             conn.rollback()
             if self.broker.dialect == "sqlite" and not conn.invalidated:
                 # A COMMIT that failed (a deferred foreign key) leaves SQLite's transaction
@@ -159,9 +173,9 @@ class TransactionCore:
                 raw: Any = conn.connection.driver_connection
                 if raw is not None and raw.in_transaction:
                     raw.rollback()
-            leases = list(self._leases.values())
             if leases:
-                holds = self.broker.adapter.forget_leases(conn, leases)
+                # PostgreSQL, or SQLite without the transaction to keep: counted in a new one.
+                holds = adapter.forget_leases(conn, leases)
                 self._record_failures(conn, holds)
                 conn.commit()
         finally:

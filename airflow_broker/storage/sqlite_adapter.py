@@ -7,7 +7,14 @@ the execution option :data:`READ_ONLY` (``BrokerContext.read_connection()`` open
 begins ``BEGIN DEFERRED`` and, in WAL mode, reads the last committed state without waiting for a
 writer, a RECEIVE holding its messages included. A read-only connection must not write: its
 first write would have to take the write lock in the middle of the transaction, and fails at
-once (``SQLITE_BUSY``) when another transaction committed since it began reading."""
+once (``SQLITE_BUSY``) when another transaction committed since it began reading.
+
+A writer's transaction sets the savepoint :data:`TX_SAVEPOINT` right after ``BEGIN IMMEDIATE``.
+A receiving transaction that rolls back goes back to that savepoint instead of ending
+(``rollback_keeping_lock``): everything it did is undone, but the transaction, and with it the
+write lock, stays open while its failed attempt is counted and its conversation group held
+(``TransactionCore._after_rollback``), then commits. So no other reader can take the group
+between the rollback and its hold."""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import contextlib
 import fcntl
 import json
 import os
+import sqlite3
 import time
 import uuid
 from pathlib import Path
@@ -28,6 +36,12 @@ from airflow_broker.storage.adapter_base import FailedHold, ReceiveLease, WaitSt
 #: The execution option marking a connection that only reads (``conn.execution_options(
 #: broker_read_only=True)``): on SQLite its transactions begin DEFERRED, not IMMEDIATE.
 READ_ONLY = "broker_read_only"
+#: The savepoint a writer's transaction sets right after ``BEGIN IMMEDIATE``: rolling back to it
+#: undoes the whole transaction but keeps it open, with the write lock.
+TX_SAVEPOINT = "broker_tx"
+#: The execution option under which the next transaction SQLAlchemy begins on a connection takes
+#: over the SQLite transaction already open there (set by rollback_keeping_lock only).
+_ADOPT = "broker_adopt_transaction"
 
 
 class SqliteAdapter:
@@ -62,11 +76,52 @@ class SqliteAdapter:
 
     @staticmethod
     def _on_begin(conn: Connection) -> None:
-        if conn.get_execution_options().get(READ_ONLY):
+        options = conn.get_execution_options()
+        if options.get(READ_ONLY):
             # A reader: it takes a snapshot at its first read and never waits for the writer.
             conn.exec_driver_sql("BEGIN DEFERRED")
+        elif options.get(_ADOPT):
+            return  # SQLite's transaction is open already (rollback_keeping_lock)
         else:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # On the driver itself: no statement of the caller's, and cheaper that way.
+            raw: Any = conn.connection.driver_connection
+            raw.execute(_SET_TX_SAVEPOINT)
+
+    def rollback_keeping_lock(self, conn: Connection) -> bool:
+        """Undo the writer's transaction open on ``conn`` back to its savepoint
+        (:data:`TX_SAVEPOINT`, set right after its ``BEGIN IMMEDIATE``), keeping it open, and so
+        the database's write lock: what the caller writes next (the accounting of a failed
+        RECEIVE) commits before any other transaction can begin. The caller commits or rolls
+        back as usual.
+
+        False when there is no such transaction: none is open (the connection was invalidated,
+        or SQLite ended the transaction itself), or it began without the savepoint (a read-only
+        one). The caller then rolls back as usual and counts in a new transaction."""
+        if conn.invalidated:
+            return False
+        raw: Any = conn.connection.driver_connection
+        if raw is None or not raw.in_transaction:
+            return False
+        adopt = not conn.in_transaction()
+        if adopt:
+            # A COMMIT that failed (a deferred foreign key) ended SQLAlchemy's transaction but
+            # left SQLite's open. SQLAlchemy's rollback now only clears its own (it has no
+            # transaction to end); its next one takes SQLite's over instead of beginning.
+            conn.rollback()
+            if not raw.in_transaction:
+                return False
+        try:
+            raw.execute(_ROLLBACK_TO_TX_SAVEPOINT)
+        except sqlite3.OperationalError:
+            return False  # no such savepoint
+        if adopt:
+            conn.execution_options(**{_ADOPT: True})
+            try:
+                conn.begin()
+            finally:
+                conn.execution_options(**{_ADOPT: False})
+        return True
 
     # -- waiting -------------------------------------------------------------------------------
     @staticmethod
@@ -209,6 +264,10 @@ class SqliteAdapter:
 
     def dispose(self) -> None:
         """Nothing held outside the pool."""
+
+
+_SET_TX_SAVEPOINT = f"SAVEPOINT {TX_SAVEPOINT}"
+_ROLLBACK_TO_TX_SAVEPOINT = f"ROLLBACK TO {TX_SAVEPOINT}"
 
 
 def _locked_if_free(path: Path, flags: int, lock: int) -> int | None:
