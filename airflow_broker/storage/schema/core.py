@@ -377,15 +377,13 @@ receive_lease = Table(
     Column("pid", Integer, nullable=False),
     Column("backend_start", Timestamp, nullable=True),
     Column("started_at", Timestamp, nullable=False),
-    # The queuing_order of every message taken (JSON): a failed attempt counts them.
-    Column("held", Text, nullable=True),
+    Column("held", Text, nullable=True),  # queuing_order of each message taken (JSON)
     Column("xact_lock", Boolean, nullable=False, server_default=text("false")),  # see comment
-    # RECEIVE looks for a dead lease of the queue it took from before it hands messages out.
-    Index("ix_broker_receive_lease_queue_id", "queue_id"),
+    Index("ix_broker_receive_lease_queue_id", "queue_id"),  # RECEIVE's look for dead readers
     info={"unlogged": True},
     comment=(
         "One row per open receiving transaction (PostgreSQL), deleted by its commit. With its lock "
-        "on lease_key free and no commit marker, its reader died holding messages (a rollback)."
+        "on lease_key free, its reader ended without committing: a failed attempt to count."
     ),
 )
 
@@ -394,7 +392,7 @@ receive_commit = Table(
     metadata,
     Column("lease_key", BigId, primary_key=True, autoincrement=False),
     info={"unlogged": True},
-    comment="Leases whose receiving transaction committed (written inside that transaction).",
+    comment="Leases whose receiving transaction committed (written by versions before 0025).",
 )
 
 

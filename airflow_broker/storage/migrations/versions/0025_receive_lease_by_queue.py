@@ -29,13 +29,34 @@ branch_labels = None
 depends_on = None
 
 
+#: (table, comment before, comment after)
+COMMENTS = (
+    (
+        "broker_receive_lease",
+        "One row per open receiving transaction (PostgreSQL), deleted by its commit. With its lock "
+        "on lease_key free and no commit marker, its reader died holding messages (a rollback).",
+        "One row per open receiving transaction (PostgreSQL), deleted by its commit. With its lock "
+        "on lease_key free, its reader ended without committing: a failed attempt to count.",
+    ),
+    (
+        "broker_receive_commit",
+        "Leases whose receiving transaction committed (written inside that transaction).",
+        "Leases whose receiving transaction committed (written by versions before 0025).",
+    ),
+)
+
+
 def upgrade() -> None:
     op.create_index("ix_broker_receive_lease_queue_id", "broker_receive_lease", ["queue_id"])
     if op.get_bind().dialect.name == "postgresql":
         op.execute(WRITE_FUNCTION)
+        for table, before, after in COMMENTS:
+            op.create_table_comment(table, after, existing_comment=before)
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
+        for table, before, after in COMMENTS:
+            op.create_table_comment(table, before, existing_comment=after)
         op.execute(DROP_WRITE_FUNCTION)
     op.drop_index("ix_broker_receive_lease_queue_id", table_name="broker_receive_lease")
