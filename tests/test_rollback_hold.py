@@ -22,6 +22,7 @@ took it commits, so a poller holding ``n`` or later received it after the failur
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import sqlite3
 import threading
 import time
@@ -30,6 +31,7 @@ from multiprocessing.connection import Connection as PipeEnd
 from multiprocessing.synchronize import Event
 from pathlib import Path
 
+import procs
 import pytest
 from helpers import NOTE, SUPPLIER_QUEUE, begin, declare_pair, send
 from sqlalchemy import create_engine, event, text
@@ -268,4 +270,32 @@ def test_sqlite_keeps_the_write_lock_until_the_rollback_is_counted(
         assert outsider.execute("SELECT count(*) FROM test_child").fetchone() == (0,)
     finally:
         outsider.close()
+        broker.dispose()
+
+
+@pytest.mark.timeout(120)
+def test_sqlite_the_next_receive_counts_a_reader_killed_as_receive_returned(
+    tmp_path: Path,
+) -> None:
+    """SQLite: a reader SIGKILLed the moment RECEIVE returns leaves its lease file unlocked; the
+    very next RECEIVE, with no due-work pass due, counts it under the write lock before it
+    claims, and gets the message with that attempt counted (receive count 2)."""
+    url = f"sqlite:///{tmp_path / 'broker.db'}"
+    broker = Broker.connect(url)
+    try:
+        broker.migrate()
+        declare_pair(broker)
+        send(broker, begin(broker), NOTE, b"only")
+        proc = multiprocessing.get_context("fork").Process(
+            target=procs.receive_then_die, args=(url, SUPPLIER_QUEUE)
+        )
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == -signal.SIGKILL, f"the reader ended with {proc.exitcode}"
+        broker.next_due_work = time.monotonic() + 3600  # no due-work pass: RECEIVE counts
+        with broker.transaction() as tx:
+            got = tx.receive(SUPPLIER_QUEUE)
+            assert [(m.message_body, m.receive_count) for m in got] == [(b"only", 2)]
+        assert not list((tmp_path / "broker.db-leases").glob("*.lease"))
+    finally:
         broker.dispose()

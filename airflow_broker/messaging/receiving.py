@@ -175,6 +175,25 @@ class Receiving(TransactionCore):
             self._received[q.name] = self._received.get(q.name, 0) + len(rows)
         return messages
 
+    def _count_dead_readers(self, queue_id: int) -> None:
+        """SQLite: with the write lock held (this begins the transaction if it has not), count
+        the readers that died holding messages before claiming, so that none of their
+        hand-outs goes uncounted (no reader can die holding messages while this transaction
+        holds the lock). Counted in a transaction of its own when this one has done nothing
+        yet; otherwise inside it (a rollback of this transaction then undoes the count too)."""
+        conn = self.connection
+        adapter = self.broker.adapter
+        while True:
+            if not conn.in_transaction():
+                conn.begin()  # BEGIN IMMEDIATE (storage.sqlite_adapter)
+            if not adapter.dead_lease_on(queue_id):
+                return
+            work = DueWork(self.broker, conn)
+            work.run(utcnow())
+            if self._dirty:
+                return
+            conn.commit()  # and look again, under the lock taken anew
+
     def _needs_savepoint(self) -> bool:
         """Whether a claim must be undone apart from the rest of this transaction (PostgreSQL:
         it has done something of its own already), should it be given back (:meth:`_hold`)."""
@@ -231,6 +250,7 @@ class Receiving(TransactionCore):
             stmt = queries.claim_statement(self.broker.dialect, **shape)
 
             def take() -> list[Any]:
+                self._count_dead_readers(q.queue_id)
                 rows: list[Any] = self._execute(stmt, params).all()
                 return rows
 

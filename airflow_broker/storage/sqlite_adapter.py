@@ -198,7 +198,20 @@ class SqliteAdapter:
         return None
 
     def dead_lease_on(self, queue_id: int) -> bool:
-        """A RECEIVE holds the only write lock: no reader of the queue can die meanwhile."""
+        """Whether a lease file's lock is free: its reader died holding messages and no
+        due-work pass has counted it yet (of any queue: the files are few, one per writer that
+        died). A live reader's file, this process's included, is locked."""
+        if self._lease_dir is None:
+            return False
+        try:
+            paths = [e.path for e in os.scandir(self._lease_dir) if e.name.endswith(".lease")]
+        except FileNotFoundError:
+            return False
+        for path in paths:
+            fd = _locked_if_free(Path(path), os.O_RDONLY, fcntl.LOCK_SH)
+            if fd is not None:
+                os.close(fd)
+                return True
         return False
 
     def leases_committing(self, conn: Connection, leases: list[ReceiveLease]) -> None:
