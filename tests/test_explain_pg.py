@@ -484,9 +484,9 @@ def test_an_empty_receive_with_every_group_locked_claims_once(
     claims: list[object] = []
     real = direct.execute
 
-    def counted(conn: Any, prepared: Any, args: Any) -> Any:
+    def counted(conn: Any, prepared: Any, args: Any, **options: Any) -> Any:
         claims.append(prepared)
-        return real(conn, prepared, args)
+        return real(conn, prepared, args, **options)
 
     monkeypatch.setattr(direct, "execute", counted)
     holders = [_lock_group(pg_broker, g) for g in (a, b)]
