@@ -14,7 +14,6 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import procs
 import pytest
 from accounting_procs import die_at_random
 from helpers import NOTE, SUPPLIER_QUEUE, begin, declare_pair, send
@@ -143,28 +142,3 @@ def _drain_dead_letters(broker: Broker) -> list[Any]:
         if not got:
             return out
         out.extend(got)
-
-
-@pytest.mark.timeout(120)
-def test_the_next_receive_counts_a_reader_killed_as_receive_returned(pg_url: str) -> None:
-    """A reader SIGKILLed the moment RECEIVE returns; the very next RECEIVE, with no due-work
-    pass in between, gets the message with that attempt counted (receive count 2), and the dead
-    reader's lease row is gone (counted once: the due-work pass finds nothing more)."""
-    broker = Broker.connect(pg_url)
-    try:
-        declare_pair(broker)
-        send(broker, begin(broker), NOTE, b"only")
-        proc = FORK.Process(target=procs.receive_then_die, args=(pg_url, SUPPLIER_QUEUE))
-        proc.start()
-        proc.join(60)
-        assert proc.exitcode == -signal.SIGKILL, f"the reader ended with {proc.exitcode}"
-        broker.next_due_work = time.monotonic() + 3600  # no due-work pass: RECEIVE counts
-        with broker.transaction() as tx:
-            got = tx.receive(SUPPLIER_QUEUE)
-            assert [(m.message_body, m.receive_count) for m in got] == [(b"only", 2)]
-        with broker.engine.connect() as conn:
-            left = conn.execute(text("SELECT count(*) FROM broker_receive_lease")).scalar_one()
-        assert left == 0
-        assert broker.run_due().rollbacks_counted == 0  # nothing left to count
-    finally:
-        broker.dispose()

@@ -105,6 +105,8 @@ def check_combination(queue: str, row: dict[str, Any]) -> None:
 #: How long counting a dead reader's attempt waits for a lock before it leaves the count to the
 #: next due-work pass (count_dead_attempts).
 COUNT_LOCK_TIMEOUT = "2s"
+#: PostgreSQL's SQLSTATE for a lock not granted within lock_timeout.
+LOCK_NOT_AVAILABLE = "55P03"
 
 
 def count_dead_attempts(broker: BrokerContext, queue_id: int) -> bool:
@@ -131,10 +133,6 @@ def count_dead_attempts(broker: BrokerContext, queue_id: int) -> bool:
         )
         return False
     return True
-
-
-#: PostgreSQL's SQLSTATE for a lock not granted within lock_timeout.
-LOCK_NOT_AVAILABLE = "55P03"
 
 
 def backoff_seconds(q: Any, attempts: int) -> float | None:

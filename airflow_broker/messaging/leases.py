@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -86,26 +85,19 @@ def take_lease(
     commits at once): lease the next free group's messages; None when there are none."""
     seconds = _seconds(lease_seconds, "lease_seconds", positive=True)
     token = uuid.uuid4()
-    deadline = time.monotonic() + wait_seconds
-    look = True
-    while True:
-        savepoint = tx._needs_savepoint()
-        q, rows = tx._claim(
-            queue,
-            top,
-            None,
-            conversation_group_id,
-            max(0.0, deadline - time.monotonic()),
-            lease_token=token,
-            savepoint=savepoint,
-        )
-        if not rows:
-            return None
+
+    def hand_out(q: Any, rows: list[Any], look: bool) -> list[Any] | None:
         # As RECEIVE does (Receiving._hold): a reader of the queue that ended without
         # committing is counted before its messages can be handed out again.
-        if not (look and tx.broker.adapter.dead_lease_on(q.queue_id)):
-            break
-        look = tx._give_claim_back(q, savepoint=savepoint)
+        if rows and look and tx.broker.adapter.dead_lease_on(q.queue_id):
+            return None
+        return rows
+
+    q, rows = tx._claim_handing_out(
+        queue, top, None, conversation_group_id, wait_seconds, hand_out, lease_token=token
+    )
+    if not rows:
+        return None
     group = rows[0][1]  # conversation_group_id (MESSAGE_COLUMNS)
     now = utcnow()
     expires = now + timedelta(seconds=seconds)

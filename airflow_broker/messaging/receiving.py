@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from sqlalchemy import (
     Row,
@@ -35,6 +35,9 @@ from airflow_broker.storage.clock import utcnow
 
 log = logging.getLogger("airflow_broker")
 
+#: What a claim hands out (Receiving._claim_handing_out).
+_Out = TypeVar("_Out")
+
 
 class Receiving(TransactionCore):
     """RECEIVE and GET CONVERSATION GROUP of a :class:`Transaction`."""
@@ -56,8 +59,34 @@ class Receiving(TransactionCore):
         :param conversation_group: only from this conversation group.
         :param wait_seconds: wait up to this long for messages (WAITFOR); 0 returns at once.
         """
+        _q, messages = self._claim_handing_out(
+            queue,
+            top,
+            conversation_handle,
+            conversation_group,
+            wait_seconds,
+            lambda q, rows, look: self._hold(q, rows, checked=look),
+        )
+        return messages
+
+    def _claim_handing_out(
+        self,
+        queue: str,
+        top: int | None,
+        conversation_handle: Handle | None,
+        conversation_group: Handle | None,
+        wait_seconds: float,
+        hand_out: Callable[[Any, list[Any], bool], _Out | None],
+        *,
+        lease_token: uuid.UUID | None = None,
+    ) -> tuple[Any, _Out]:
+        """Claim (:meth:`_claim`), then ``hand_out(queue row, rows, look)``: what it returns,
+        or None when a reader of the queue that ended without committing must be counted
+        first (``look``: whether to look for one). Then the claim is given back, that reader
+        counted (:meth:`_give_claim_back`) and the queue claimed again, within the same
+        ``wait_seconds``."""
         deadline = time.monotonic() + wait_seconds
-        checked = True
+        look = True
         while True:
             savepoint = self._needs_savepoint()
             q, rows = self._claim(
@@ -65,14 +94,14 @@ class Receiving(TransactionCore):
                 top,
                 conversation_handle,
                 conversation_group,
-                wait_seconds,
+                max(0.0, deadline - time.monotonic()),
+                lease_token=lease_token,
                 savepoint=savepoint,
             )
-            held = self._hold(q, rows, checked=checked)
-            if held is not None:
-                return held
-            checked = self._give_claim_back(q, savepoint=savepoint)
-            wait_seconds = max(0.0, deadline - time.monotonic())
+            out = hand_out(q, rows, look)
+            if out is not None:
+                return q, out
+            look = self._give_claim_back(q, savepoint=savepoint)
 
     def commit_and_receive(
         self, queue: str, top: int | None = None, *, wait_seconds: float = 0

@@ -33,7 +33,6 @@ from airflow_broker.security import permissions
 from airflow_broker.storage import direct
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.adapters import FailedHold, ReceiveLease
-from airflow_broker.storage.sqlite_adapter import SqliteAdapter
 
 if TYPE_CHECKING:
     from airflow_broker.storage.context import BrokerContext
@@ -155,11 +154,7 @@ class TransactionCore:
         adapter = self.broker.adapter
         try:
             leases = list(self._leases.values())
-            if (
-                leases
-                and isinstance(adapter, SqliteAdapter)
-                and adapter.rollback_keeping_lock(conn)
-            ):
+            if leases and adapter.rollback_keeping_lock(conn):
                 # SQLite: undone, but the transaction (the write lock) is still open: the
                 # failed attempt is counted and its group held before any other RECEIVE can
                 # take the group again.

@@ -329,6 +329,11 @@ class PostgresAdapter:
         lease.held.extend(pending)
         return True
 
+    def rollback_keeping_lock(self, conn: Connection) -> bool:
+        """No write lock to keep: a rollback here ends the transaction, and a RECEIVE that
+        takes the group meanwhile counts the failed attempt first (lease_written)."""
+        return False
+
     def dead_lease_on(self, queue_id: int) -> bool:
         """Whether a reader of ``queue_id`` ended without committing and nobody has counted
         that attempt yet (read on the side connection, after every lease row written so far)."""

@@ -25,6 +25,7 @@ import os
 import sqlite3
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -201,17 +202,9 @@ class SqliteAdapter:
         """Whether a lease file's lock is free: its reader died holding messages and no
         due-work pass has counted it yet (of any queue: the files are few, one per writer that
         died). A live reader's file, this process's included, is locked."""
-        if self._lease_dir is None:
-            return False
-        try:
-            paths = [e.path for e in os.scandir(self._lease_dir) if e.name.endswith(".lease")]
-        except FileNotFoundError:
-            return False
-        for path in paths:
-            fd = _locked_if_free(Path(path), os.O_RDONLY, fcntl.LOCK_SH)
-            if fd is not None:
-                os.close(fd)
-                return True
+        for _path, fd in self._unlocked_lease_files():
+            os.close(fd)
+            return True
         return False
 
     def leases_committing(self, conn: Connection, leases: list[ReceiveLease]) -> None:
@@ -262,18 +255,29 @@ class SqliteAdapter:
     def dead_leases(self, conn: Connection) -> list[tuple[str, int]]:
         """Read-only: (lease file, queue id) of lease files whose lock is free: their reader died
         holding messages and no due-work pass has counted it yet."""
-        if self._lease_dir is None or not self._lease_dir.exists():
-            return []
         dead: list[tuple[str, int]] = []
-        for path in sorted(self._lease_dir.glob("*.lease")):
-            fd = _locked_if_free(path, os.O_RDONLY, fcntl.LOCK_SH)
-            if fd is None:
-                continue
+        for path, fd in self._unlocked_lease_files():
             try:
                 dead.append((f"lease file {path.name}", _lease_file(_read_all(fd)).queue_id))
             finally:
                 os.close(fd)  # closing releases the probe's shared lock
         return dead
+
+    def _unlocked_lease_files(self) -> Iterator[tuple[Path, int]]:
+        """Each lease file whose lock is free, in name order, and its descriptor under a shared
+        lock (the caller closes it, which releases the lock): one scan of the directory,
+        nothing more when it is empty, as it is while no reader has died."""
+        if self._lease_dir is None:
+            return
+        try:
+            names = sorted(e.name for e in os.scandir(self._lease_dir) if e.name.endswith(".lease"))
+        except FileNotFoundError:
+            return
+        for name in names:
+            path = self._lease_dir / name
+            fd = _locked_if_free(path, os.O_RDONLY, fcntl.LOCK_SH)
+            if fd is not None:
+                yield path, fd
 
     def dispose(self) -> None:
         """Nothing held outside the pool."""
