@@ -58,6 +58,7 @@ lint: install-dev
 PGBOUNCER_TESTS := tests/test_dialogs.py tests/test_receive.py tests/test_empty_receive.py \
 	tests/test_send_committed.py tests/test_reader_loop.py tests/test_poison.py \
 	tests/test_failure_handling.py tests/test_leases.py tests/test_leases_pg.py \
+	tests/test_exact_accounting_pg.py tests/test_rollback_hold.py \
 	tests/test_concurrency_pg.py tests/test_transport_pg.py tests/test_delivery_pipeline_pg.py \
 	tests/test_activation.py tests/test_runner.py tests/test_transmitter.py tests/test_triggers.py \
 	"tests/test_spark_job.py::test_the_job_delivers_every_message_once_in_order_and_replies_come_back" \
