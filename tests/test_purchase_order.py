@@ -225,12 +225,16 @@ def test_an_unknown_item_is_refused(shop: Broker) -> None:
 def test_deadline_timer_cancels_a_backordered_order_and_releases_the_reservation(
     shop: Broker,
 ) -> None:
-    submit(shop, "sprocket", 100, 2.50, po_number="PO-3", deadline_seconds=0.5)
+    # The deadline leaves the first exchange time to finish on a loaded machine (0.5 s did not,
+    # once, under the full suite): it must fire after the backorder, not during it.
+    deadline = 3.0
+    submit(shop, "sprocket", 100, 2.50, po_number="PO-3", deadline_seconds=deadline)
+    submitted = time.monotonic()  # the timer was set before this
     drive(shop)
     assert buyer(shop, "PO-3")["status"] == supplier(shop, "PO-3")["status"] == "backordered"
     assert stock(shop)["sprocket"] == (40, 40)
 
-    time.sleep(0.6)
+    time.sleep(max(0.0, submitted + deadline + 0.1 - time.monotonic()))
     shop.run_due()  # what an activation monitor does: the DialogTimer lands in the buyer's queue
     drive(shop)
 
