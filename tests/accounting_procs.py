@@ -20,11 +20,11 @@ class Failed(Exception):
     """The handler failed: its transaction rolls back."""
 
 
-def die_at_random(url: str, queue: str, seed: int, ready: PipeEnd) -> None:
+def die_at_random(url: str, queue: str, seed: int, window: float, ready: PipeEnd) -> None:
     """RECEIVE one message at a time, record each hand-out (outside the transaction, committed
     at once: body and the receive_count RECEIVE reported) and roll back after a moment's
     "work", in a loop. Once connected it tells the parent, and a timer SIGKILLs this process
-    within 30 milliseconds: in the claim, while the lease row is written, between RECEIVE's
+    within ``window`` seconds: in the claim, while the lease row is written, between RECEIVE's
     return and the record, during the work, in the rollback or its accounting."""
     rng = random.Random(seed)
     broker = Broker.connect(url)
@@ -33,7 +33,7 @@ def die_at_random(url: str, queue: str, seed: int, ready: PipeEnd) -> None:
         tx.receive(queue, top=1, wait_seconds=0)
         tx.rollback()
     ready.send(os.getpid())
-    timer = threading.Timer(rng.uniform(0.0, 0.03), os.kill, (os.getpid(), signal.SIGKILL))
+    timer = threading.Timer(rng.uniform(0.0, window), os.kill, (os.getpid(), signal.SIGKILL))
     timer.start()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
