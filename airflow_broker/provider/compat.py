@@ -15,8 +15,11 @@ Importing this module imports Airflow: the engine (``airflow_broker`` outside ``
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import importlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version as _dist_version
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -115,6 +118,16 @@ async def to_thread(func: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwar
     return await sync_to_async(func, thread_sensitive=False)(*args, **kwargs)
 
 
+async def to_thread_in(executor: ThreadPoolExecutor, func: Callable[..., _R], /, *args: Any) -> _R:
+    """:func:`to_thread` in the threads of ``executor`` (not the event loop's default ones)."""
+    if THREADSAFE_TRIGGER_COMMS:
+        call = functools.partial(contextvars.copy_context().run, func, *args)
+        return await asyncio.get_running_loop().run_in_executor(executor, call)
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(func, thread_sensitive=False, executor=executor)(*args)
+
+
 def __getattr__(name: str) -> Any:
     try:
         module, attribute = _API_SERVER_NAMES[name]
@@ -150,4 +163,5 @@ __all__ = [
     "get_auth_manager",
     "get_user",
     "to_thread",
+    "to_thread_in",
 ]

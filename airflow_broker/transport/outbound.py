@@ -4,10 +4,14 @@ broker databases, in batches per conversation and destination, and applies their
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime
 from typing import Any
 
@@ -23,7 +27,7 @@ from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.storage.identity import copy_refusal
-from airflow_broker.transport import direct, inbox, pipeline, route_requests
+from airflow_broker.transport import deadlines, direct, inbox, lanes, pipeline, route_requests
 from airflow_broker.transport.arrival import fail_endpoint
 from airflow_broker.transport.batch_rows import BATCH_COLUMNS
 from airflow_broker.transport.direct import Conversation
@@ -34,10 +38,10 @@ from airflow_broker.transport.forwarding import (
     _packet_of_transit,
 )
 from airflow_broker.transport.inbound import Inbound
+from airflow_broker.transport.outcomes import Sent, outcomes
 from airflow_broker.transport.packets import (
     _UNREACHABLE,
     DROPPED,
-    HELD,
     DeliveryReport,
     Outcome,
     Packet,
@@ -64,6 +68,8 @@ class Transport:
         self.b = broker
         #: why this pass may not deliver to other brokers (this database is a copy), or None
         self.refused: str | None = None
+        #: this pass: destinations that did not answer in time, and why
+        self.hung: dict[str, str] = {}
 
     def after_push(self, address: str, sent: int) -> None:
         """Called after a far broker committed a batch of ``sent`` messages and before this
@@ -76,15 +82,17 @@ class Transport:
             peer = resolve(self.b, address)
         except DBAPIError as exc:
             raise Unreachable(f"{address}: {_first_line(exc)}") from exc
-        if inbox.inbox_mode(peer):
-            # A role that may only deliver: the far broker accepts the batch on its own pass.
-            return inbox.push(self.b, peer, address, packets, depth)
-        try:
-            outcome = Inbound(peer, Transport(peer).push_any).accept(packets, depth=depth)
-        except Unreachable as exc:
-            raise Unreachable(f"cannot deliver to {address}: {exc}") from exc
-        except DBAPIError as exc:
-            raise Unreachable(f"cannot deliver to {address}: {_first_line(exc)}") from exc
+        # Bounded by the peer's answer timeout (deadlines): a hung broker raises Unreachable.
+        with deadlines.answer_within(peer, address):
+            try:
+                if inbox.inbox_mode(peer):
+                    # A role that may only deliver: the far broker accepts it on its own pass.
+                    return inbox.push(self.b, peer, address, packets, depth)
+                outcome = Inbound(peer, Transport(peer).push_any).accept(packets, depth=depth)
+            except Unreachable as exc:
+                raise Unreachable(f"cannot deliver to {address}: {exc}") from exc
+            except DBAPIError as exc:
+                raise Unreachable(f"cannot deliver to {address}: {_first_line(exc)}") from exc
         self.after_push(address, len(packets))
         return outcome
 
@@ -112,6 +120,7 @@ class Transport:
         counts: dict[str, int] = defaultdict(int)
         budget = max_messages
         after: list[Any] = []
+        self.hung = {}
         # A restored or cloned copy delivers nothing between databases until an operator
         # decides (storage.identity): remote messages wait with the reason, local ones go on.
         self.refused = copy_refusal(self.b)
@@ -138,7 +147,9 @@ class Transport:
             self._transit_pass(retry_now, counts)
         route_requests.answer_requests(self.b)
         unreachable = counts.pop(_UNREACHABLE, 0)
-        report = DeliveryReport(**counts)
+        report = DeliveryReport(**counts, hung=dict(self.hung))
+        for address, why in self.hung.items():
+            log.warning("delivery to %s: %s", address, why)
         metrics.incr(metrics.TRANSPORT_FAILED, unreachable)
         metrics.incr(metrics.DELIVERY_FAILED, report.failed)
         return report
@@ -147,7 +158,9 @@ class Transport:
         """Answers far brokers wrote in their inboxes' answer tables for this broker's batches."""
         for address in inbox.inbox_addresses(self.b):
             try:
-                answers, notes = inbox.collect(resolve(self.b, address), address)
+                peer = resolve(self.b, address)
+                with deadlines.answer_within(peer, address):
+                    answers, notes = inbox.collect(peer, address)
             except (Unreachable, DBAPIError) as exc:
                 log.info("%s", exc)
                 continue
@@ -291,38 +304,145 @@ class Transport:
         route_requests.request_routes(self.b, batch.plan["missing"])
 
     def _send(self, plan: dict[str, Any]) -> list[tuple[list[Packet], Outcome | None, str]]:
-        results: list[tuple[list[Packet], Outcome | None, str]] = []
+        """Push the batch's messages to their far brokers, each destination in its own lane
+        (:mod:`.lanes`), waiting for each at most its patience. What a destination did not
+        answer in time goes into ``plan["waiting"]`` (recorded as waiting, with the reason) and
+        is recorded when it answers (:meth:`_late`)."""
+        jobs: dict[tuple[str, ...], tuple[list[Conversation], list[Packet]]] = {}
         for addresses, conversations in plan["direct"].items():
-            for c in self._send_direct(addresses[0], conversations, plan):
-                plan["remote"][addresses] += message_packets(
+            jobs.setdefault(addresses, ([], []))[0].extend(conversations)
+        for addresses, packets in plan["remote"].items():
+            jobs.setdefault(addresses, ([], []))[1].extend(packets)
+        results: list[tuple[list[Packet], Outcome | None, str]] = []
+        started = time.monotonic()
+        running: list[tuple[float, str, tuple[str, ...], Future[Sent]]] = []
+        for addresses, (conversations, packets) in jobs.items():
+            address = addresses[0]
+            lane = lanes.lane(self.b, address)
+            busy = lane.busy()
+            if busy is not None:
+                self._left_waiting(plan, address, conversations, packets, busy)
+                continue
+            try:
+                peer = resolve(self.b, address)
+                suspect, limits = deadlines.hung(peer), deadlines.limits_of(peer)
+            except Unreachable:
+                suspect, limits = None, deadlines.Limits()  # the push says why
+            if suspect is not None:
+                # It did not answer a moment ago: tried again once that moment has passed.
+                self._left_waiting(plan, address, conversations, packets, suspect)
+                continue
+            patience = limits.patience_seconds()
+            why = (
+                f"no answer from {address} for {patience:g} s yet (the delivery goes on in the "
+                "background); tried again when it answers"
+            )
+            future = lane.submit(self._send_to, addresses, conversations, packets, plan)
+            running.append((started + patience, why, addresses, future))
+        for until, why, addresses, future in sorted(running, key=lambda r: r[0]):
+            try:
+                sent = future.result(timeout=max(until - time.monotonic(), 0.0))
+            except FutureTimeout:
+                conversations, packets = jobs[addresses]
+                self._left_waiting(plan, addresses[0], conversations, packets, why)
+                future.add_done_callback(functools.partial(self._late, plan, addresses[0]))
+                continue
+            plan["taken"] += sent.taken
+            plan["seal_now"] += sent.seal_now
+            results += sent.results
+        return results
+
+    def _left_waiting(
+        self,
+        plan: dict[str, Any],
+        address: str,
+        conversations: list[Conversation],
+        packets: list[Packet],
+        why: str,
+    ) -> None:
+        """Messages for ``address`` that wait (it has not answered): recorded so, with ``why``."""
+        rows = plan["packet_rows"]
+        plan["waiting"] += [(r, why) for c in conversations for r in c.rows]
+        plan["waiting"] += [(rows[(p.conversation_id, p.seq)], why) for p in packets]
+        self.hung[address] = why
+
+    def _send_to(
+        self,
+        addresses: tuple[str, ...],
+        conversations: list[Conversation],
+        packets: list[Packet],
+        plan: dict[str, Any],
+    ) -> Sent:
+        """One destination's share of a batch (in its lane): conversations without packets
+        where the far broker takes them so, the rest as packets."""
+        # Its own lists of what the far broker took and what was sealed: another lane, or the
+        # batch's recording if this destination answers late, must not share them.
+        own = {**plan, "taken": [], "seal_now": []}
+        sent = Sent(own["taken"], own["seal_now"], [])
+        packets = list(packets)
+        if conversations:
+            for c in self._send_direct(addresses[0], conversations, own):
+                packets += message_packets(
                     c.rows,
                     plan["me"],
                     c.target,
                     plan["sealings"].get(c.handle),
-                    plan["seal_now"],
+                    sent.seal_now,
                     plan["packet_rows"],
                 )
-        for addresses, packets in plan["remote"].items():
-            for start in range(0, len(packets), self.BATCH):
-                batch = packets[start : start + self.BATCH]
-                outcome, failures = self.push_any(addresses, batch)
-                if outcome is not None:
-                    # Dropped by the first broker that answered: try the alternatives for those.
-                    dropped = [j for j, (kind, _) in outcome.notes.items() if kind == DROPPED]
-                    if dropped and len(addresses) > 1:
-                        retry = [batch[j] for j in dropped]
-                        alt, _ = self.push_any(addresses[1:], retry)
-                        if alt is not None:
-                            outcome.answers.extend(alt.answers)
-                            for j in dropped:
-                                outcome.notes.pop(j, None)
-                            for k, note in alt.notes.items():
-                                outcome.notes[dropped[k]] = note
-                results.append((batch, outcome, "; ".join(failures)))
-        return results
+        for start in range(0, len(packets), self.BATCH):
+            batch = packets[start : start + self.BATCH]
+            outcome, failures = self.push_any(addresses, batch)
+            if outcome is not None:
+                # Dropped by the first broker that answered: try the alternatives for those.
+                dropped = [j for j, (kind, _) in outcome.notes.items() if kind == DROPPED]
+                if dropped and len(addresses) > 1:
+                    retry = [batch[j] for j in dropped]
+                    alt, _ = self.push_any(addresses[1:], retry)
+                    if alt is not None:
+                        outcome.answers.extend(alt.answers)
+                        for j in dropped:
+                            outcome.notes.pop(j, None)
+                        for k, note in alt.notes.items():
+                            outcome.notes[dropped[k]] = note
+            sent.results.append((batch, outcome, "; ".join(failures)))
+        return sent
+
+    def _late(self, plan: dict[str, Any], address: str, future: Future[Sent]) -> None:
+        """What a destination brought back after its batch was recorded without it (it did not
+        answer within its patience), recorded in a transaction of its own."""
+        try:
+            sent = future.result()
+            counts: dict[str, int] = defaultdict(int)
+            with self.b.engine.begin() as conn:
+                bulk.update_rows(conn, s.transmission_queue, "id", sent.seal_now)
+                direct.record(conn, plan["rows"], sent.taken, counts)
+                answers, late, waiting, _inboxed = outcomes(sent.results, plan, counts)
+                self._apply_answers(conn, plan["me"], answers, counts)
+                self._late_notes(conn, late)
+                bulk.update_rows(
+                    conn,
+                    s.transmission_queue,
+                    "id",
+                    [{"id": r.id, "transmission_status": why} for r, why in waiting],
+                )
+        except Exception:
+            log.warning("recording what %s answered late failed", address, exc_info=True)
+            return
+        log.info(
+            "%s answered late: %d acknowledged, %d failed, %d still waiting",
+            address,
+            counts["acknowledged"],
+            counts["failed"],
+            len(waiting),
+        )
+        self.b.note_due(utcnow())
 
     def _send_direct(
-        self, address: str, conversations: list[Conversation], plan: dict[str, Any]
+        self,
+        address: str,
+        conversations: list[Conversation],
+        plan: dict[str, Any],
     ) -> list[Conversation]:
         """Conversations into the PostgreSQL broker at ``address`` without packets
         (:mod:`.direct`); returns those left to packets (all of them if it cannot be reached
@@ -331,7 +451,8 @@ class Transport:
             peer = resolve(self.b, address)
             if peer.dialect != "postgresql" or inbox.inbox_mode(peer):
                 return conversations
-            taken, left = direct.accept(peer, plan["me"], conversations)
+            with deadlines.answer_within(peer, address):
+                taken, left = direct.accept(peer, plan["me"], conversations)
         except (DBAPIError, Unreachable) as exc:
             log.info("%s: delivering as packets: %s", address, _first_line(exc))
             return conversations
@@ -360,34 +481,11 @@ class Transport:
             counts["delivered"] += went
             counts["delayed"] += len(plan["rows"][handle]) - went
         waiting: list[tuple[Any, str]] = []
-        inboxed: set[int] = set()
         for handle, reason in plan["delayed"].items():
             waiting += [(r, reason) for r in plan["rows"][handle]]
         direct.record(conn, plan["rows"], plan["taken"], counts)
-        answers: list[Packet] = []
-        late: list[inbox.Note] = []
-        for batch, outcome, failure in results:
-            if outcome is None:
-                counts[_UNREACHABLE] += len(batch)  # the broker.transport_failed metric
-                waiting += [
-                    (plan["packet_rows"][(p.conversation_id, p.seq)], failure) for p in batch
-                ]
-                continue
-            answered = {
-                (a.conversation_id, a.seq) for a in outcome.answers if a.to_broker_instance == me
-            }
-            for j, p in enumerate(batch):
-                if (p.conversation_id, p.seq) in answered:
-                    continue
-                _kind, reason = outcome.notes.get(
-                    j, (HELD, "sent; waiting for the final destination's acknowledgment")
-                )
-                row = plan["packet_rows"][(p.conversation_id, p.seq)]
-                if outcome.inbox:
-                    inboxed.add(row.id)
-                waiting.append((row, reason))
-            answers += outcome.answers
-            late += outcome.late_notes
+        answers, late, went_waiting, inboxed = outcomes(results, plan, counts)
+        waiting += went_waiting + plan["waiting"]
         self._apply_answers(conn, me, answers, counts)
         self._late_notes(conn, late)
         bulk.update_rows(

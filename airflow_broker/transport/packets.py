@@ -122,6 +122,8 @@ class DeliveryReport:
         supported, invalid body, too many hops...).
     :ivar discarded: messages this broker, forwarding, threw away (hop count, lifetime, no route).
     :ivar forwarded: messages this broker, forwarding, passed on to their next hop.
+    :ivar hung: far brokers that did not answer in time during the pass (their messages wait,
+        the others went on: :mod:`~airflow_broker.transport.lanes`), by address, with why.
     """
 
     delivered: int = 0
@@ -130,6 +132,7 @@ class DeliveryReport:
     failed: int = 0
     discarded: int = 0
     forwarded: int = 0
+    hung: dict[str, str] = field(default_factory=dict)
 
 
 def _first_line(exc: BaseException) -> str:

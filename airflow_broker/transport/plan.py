@@ -164,6 +164,8 @@ def plan_batch(
         "direct": direct,
         "sealings": sealings,
         "taken": [],
+        #: rows left waiting by the push (their destination did not answer in time), and why
+        "waiting": [],
         "packet_rows": packet_rows,
         "stopped": stopped,
         "seal_now": seal_now,

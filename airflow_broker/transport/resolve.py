@@ -40,13 +40,11 @@ from sqlalchemy import event, make_url
 
 from airflow_broker import routing
 from airflow_broker.storage.context import BrokerContext
+from airflow_broker.transport import deadlines
+from airflow_broker.transport.deadlines import CONNECT_TIMEOUT as CONNECT_TIMEOUT
 from airflow_broker.transport.packets import Unreachable
 
 log = logging.getLogger("airflow_broker")
-
-
-#: Seconds to wait for a far database's server to answer a connection attempt.
-CONNECT_TIMEOUT = 5
 
 
 def _env_number(name: str, default: float, kind: Callable[[str], float]) -> Any:
@@ -157,11 +155,15 @@ def resolve(broker: BrokerContext, address: str) -> BrokerContext:
     with _peers_lock:
         peer = _peers.get(url)
         if peer is None:
+            # Bounded waits (deadlines): the peer's own answer timeout and patience come off the
+            # URL; libpq gets the connect timeout, keepalives and tcp_user_timeout (the URL's
+            # own values win: connect_args would override them).
+            plain, limits = deadlines.split_limits(url)
             kwargs: dict[str, Any] = {"pool_pre_ping": True}
-            if not url.startswith("sqlite") and "connect_timeout" not in make_url(url).query:
-                # connect_args would override the URL's own ?connect_timeout=: that one wins.
-                kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT}
-            peer = _Peer(url, type(broker).connect(url, resolver=resolver, **kwargs), 0.0)
+            if make_url(plain).get_backend_name() == "postgresql":
+                kwargs["connect_args"] = deadlines.connect_args(plain, limits)
+            peer = _Peer(url, type(broker).connect(plain, resolver=resolver, **kwargs), 0.0)
+            deadlines.watch(peer.broker, limits)
             _watch(peer)
             _peers[url] = peer
             while len(_peers) > max(int(MAX_PEERS), 1):

@@ -19,7 +19,8 @@ How it waits: on PostgreSQL it LISTENs on the queue's channel (``airflow_broker_
 notified by a trigger on ``broker_message`` whenever ready messages are written) through one
 psycopg async connection per queue and process, shared by every trigger waiting on that queue;
 ``poll_interval`` is then only the fallback. On SQLite it polls every ``poll_interval``. The
-blocking database work runs in threads (``compat.to_thread``); the brokers are shared by the
+blocking database work runs in threads of its own per database (:func:`in_database`: a database
+that hangs ties up only its own triggers); the brokers are shared by the
 triggers of one process on the same database and closed when the last one is cleaned up.
 
 When the server ends a LISTEN connection (a restart, ``pg_terminate_backend``), the listener logs
@@ -35,11 +36,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError
 
@@ -51,7 +54,7 @@ from airflow_broker.provider.compat import (
     AssetWatcher,
     BaseEventTrigger,
     TriggerEvent,
-    to_thread,
+    to_thread_in,
 )
 from airflow_broker.storage.adapters import PostgresAdapter, channel
 
@@ -59,6 +62,7 @@ if TYPE_CHECKING:
     from airflow_broker.broker import Broker
 
 log = logging.getLogger("airflow_broker")
+_R = TypeVar("_R")
 
 #: Longest pause after a database error before the trigger tries again.
 MAX_BACKOFF = 30.0
@@ -83,17 +87,58 @@ _brokers_lock = threading.Lock()
 
 def acquire_broker(broker_conn_id: str) -> Broker:
     """The broker of an Airflow connection, shared with this process's other triggers on the
-    same database (blocking: call it in a thread). Release it with :func:`release_broker`."""
+    same database (blocking: call it in a thread). Release it with :func:`release_broker`.
+
+    The broker is opened (its first connection made) outside the lock that guards the shared
+    ones: a database that hangs holds up only the triggers that use it."""
     from airflow_broker.hooks.broker import BrokerHook
 
     hook = BrokerHook(broker_conn_id=broker_conn_id)
     url, _fallback = hook.broker_url()
     with _brokers_lock:
         shared = _brokers.get(url)
+        if shared is not None:
+            shared.refs += 1
+            return shared.broker
+    opened = hook.get_broker()
+    with _brokers_lock:
+        shared = _brokers.get(url)
         if shared is None:
-            shared = _brokers[url] = _Shared(hook.get_broker())
+            shared = _brokers[url] = _Shared(opened)
+            opened = None
         shared.refs += 1
-        return shared.broker
+    if opened is not None:
+        opened.dispose()  # another trigger opened it meanwhile
+    return shared.broker
+
+
+#: Threads per broker database for the triggers' blocking work on it.
+DATABASE_THREADS = 4
+_executors: dict[str, ThreadPoolExecutor] = {}
+
+
+def _executor(key: str) -> ThreadPoolExecutor:
+    with _brokers_lock:
+        found = _executors.get(key)
+        if found is None:
+            found = _executors[key] = ThreadPoolExecutor(
+                DATABASE_THREADS, thread_name_prefix="airflow-broker-db"
+            )
+        return found
+
+
+async def in_database(key: str, func: Callable[..., _R], *args: Any) -> _R:
+    """Run a trigger's blocking work on a broker database in that database's own threads
+    (:data:`DATABASE_THREADS`, keyed by ``key``: the Airflow connection id): a database that
+    hangs ties up its own threads, never those the triggers of other databases wait on."""
+    return await to_thread_in(_executor(key), func, *args)
+
+
+def _forget_in_child() -> None:
+    _executors.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def release_broker(broker: Broker) -> None:
@@ -249,7 +294,7 @@ class QueueWaiter:
             return
         loop = asyncio.get_running_loop()
         self._retry_at = loop.time() + LISTEN_RETRY_SECONDS  # cleared once listening
-        where = await to_thread(_connect_params, self.broker)
+        where = await in_database(str(self.broker.engine.url), _connect_params, self.broker)
         if where is None:
             self._retry_at = None  # behind a pooler: poll every poll_interval, for good
             return
@@ -407,7 +452,7 @@ class QueueActivationTrigger(BaseEventTrigger):
         return monitor.check()
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        broker = self._held = await to_thread(self._broker)
+        broker = self._held = await in_database(self.broker_conn_id, self._broker)
         monitor = self._monitor(broker)
         failures = 0
         try:
@@ -415,7 +460,7 @@ class QueueActivationTrigger(BaseEventTrigger):
                 if self._waiter is not None:
                     self._waiter.clear()
                 try:
-                    fire = await to_thread(self._look, broker, monitor)
+                    fire = await in_database(self.broker_conn_id, self._look, broker, monitor)
                     failures = 0
                 except (DBAPIError, BrokerError) as exc:
                     # The queue not declared yet, the database restarting...: keep watching.

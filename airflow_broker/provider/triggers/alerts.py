@@ -32,11 +32,11 @@ from airflow_broker.provider.compat import (
     AssetWatcher,
     BaseEventTrigger,
     TriggerEvent,
-    to_thread,
 )
 from airflow_broker.provider.triggers.activation import (
     MAX_BACKOFF,
     acquire_broker,
+    in_database,
     release_broker,
 )
 
@@ -107,12 +107,14 @@ class BrokerAlertTrigger(BaseEventTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        broker = self._held = await to_thread(acquire_broker, self.broker_conn_id)
+        broker = self._held = await in_database(
+            self.broker_conn_id, acquire_broker, self.broker_conn_id
+        )
         failures = 0
         try:
             while True:
                 try:
-                    raised = await to_thread(self._look, broker)
+                    raised = await in_database(self.broker_conn_id, self._look, broker)
                     failures = 0
                 except (DBAPIError, BrokerError) as exc:
                     failures += 1

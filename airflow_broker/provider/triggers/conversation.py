@@ -28,11 +28,12 @@ from airflow_broker.activation import due_step
 from airflow_broker.constants import STATUS_READY, state_desc
 from airflow_broker.errors import InvalidDefinition, UnknownObject
 from airflow_broker.messaging.arguments import as_uuid
-from airflow_broker.provider.compat import BaseTrigger, TriggerEvent, to_thread
+from airflow_broker.provider.compat import BaseTrigger, TriggerEvent
 from airflow_broker.provider.triggers.activation import (
     MAX_BACKOFF,
     QueueWaiter,
     acquire_broker,
+    in_database,
     release_broker,
 )
 from airflow_broker.storage import schema as s
@@ -156,14 +157,14 @@ class ConversationMessageTrigger(BaseTrigger):
         return found, self._queue_id(broker) if found is None else 0
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        broker = self._held = await to_thread(self._broker)
+        broker = self._held = await in_database(self.broker_conn_id, self._broker)
         failures = 0
         try:
             while True:
                 if self._waiter is not None:
                     self._waiter.clear()
                 try:
-                    found, queue_id = await to_thread(self._look, broker)
+                    found, queue_id = await in_database(self.broker_conn_id, self._look, broker)
                     failures = 0
                 except DBAPIError as exc:
                     failures += 1

@@ -32,11 +32,12 @@ from airflow_broker.activation.transmitter import (
     watch,
 )
 from airflow_broker.errors import BrokerError, InvalidDefinition
-from airflow_broker.provider.compat import BaseEventTrigger, TriggerEvent, to_thread
+from airflow_broker.provider.compat import BaseEventTrigger, TriggerEvent
 from airflow_broker.provider.triggers.activation import (
     MAX_BACKOFF,
     QueueWaiter,
     acquire_broker,
+    in_database,
     release_broker,
 )
 from airflow_broker.storage.adapters import TRANSMIT_CHANNEL
@@ -98,7 +99,9 @@ class TransmissionTrigger(BaseEventTrigger):
         return min(max(until, 0.05), self.poll_interval)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        broker = self._held = await to_thread(acquire_broker, self.broker_conn_id)
+        broker = self._held = await in_database(
+            self.broker_conn_id, acquire_broker, self.broker_conn_id
+        )
         failures = 0
         try:
             self._waiter = QueueWaiter(broker, 0, self.poll_interval, channel_name=TRANSMIT_CHANNEL)
@@ -106,7 +109,7 @@ class TransmissionTrigger(BaseEventTrigger):
             while True:
                 self._waiter.clear()
                 try:
-                    fire, seen = await to_thread(self._look, broker)
+                    fire, seen = await in_database(self.broker_conn_id, self._look, broker)
                     failures = 0
                 except (DBAPIError, BrokerError) as exc:
                     # The database restarting, not migrated yet...: keep watching.
