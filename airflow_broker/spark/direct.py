@@ -20,10 +20,11 @@ from airflow_broker.constants import (
 )
 from airflow_broker.messaging.lookups import hosted_services, priority_for
 from airflow_broker.messaging.validation import VALIDATION_CODES
-from airflow_broker.spark import commit, direct_stream, direct_task, jdbc
+from airflow_broker.spark import commit, copy_partition, direct_stream, direct_task, jdbc, stall
 from airflow_broker.spark.transforms import part
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
+from airflow_broker.transport import deadlines
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -43,7 +44,13 @@ class Written:
     staged: int
 
 
-def _far(target: BrokerContext, plan: pa.Table, run_id: str, me: str) -> direct_task.Far:
+def _far(
+    target: BrokerContext,
+    plan: pa.Table,
+    run_id: str,
+    me: str,
+    answer_timeout: float = direct_task.Far.answer_timeout,
+) -> direct_task.Far:
     """What the tasks need to know of ``target``, read once; ``plan`` is the chosen
     conversations as the tasks are given them (:data:`direct_task.PLAN_COLUMNS`)."""
     routes = plan.group_by(["contract", "to_service", "from_service"]).aggregate([])
@@ -90,6 +97,7 @@ def _far(target: BrokerContext, plan: pa.Table, run_id: str, me: str) -> direct_
         precedence=PRECEDENCE_NORMAL,
         validation_none=VALIDATION_CODES["none"],
         sendable_states=frozenset(SENDABLE_STATES),
+        answer_timeout=answer_timeout,
     )
 
 
@@ -133,12 +141,16 @@ def write_direct(
         "part": part(parts),
     }
     plan = chosen.select(*[plan_columns[c].alias(c) for c in direct_task.PLAN_COLUMNS]).toArrow()
-    far = _far(target, plan, run_id, me)
+    seconds = jdbc.answer_timeout.get()
+    with deadlines.answer_within(target, repr(target), seconds=seconds):
+        far = _far(target, plan, run_id, me, seconds)
     sc = pending.sparkSession.sparkContext
     shared = sc.broadcast(plan)
     # Shipped by value: the executors need psycopg and pyarrow, not airflow_broker.
     cloudpickle.register_pickle_by_value(direct_task)
     cloudpickle.register_pickle_by_value(direct_stream)
+    cloudpickle.register_pickle_by_value(copy_partition)
+    cloudpickle.register_pickle_by_value(stall)
     try:
         if source is not None:
             tasks = len(source.ranges)

@@ -37,6 +37,7 @@ from airflow_broker.spark.direct_task import (
     into_far,
     result_batch,
 )
+from airflow_broker.spark.stall import touch
 
 #: Bytes of COPY rows handed to the far broker at a time.
 _PIPE_CHUNK = 1 << 18
@@ -230,6 +231,7 @@ def _pipe(
             chunk += data
             if len(chunk) >= _PIPE_CHUNK:
                 into.write(chunk)
+                touch()
                 chunk = bytearray()
         if chunk:
             into.write(chunk)

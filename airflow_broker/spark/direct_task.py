@@ -16,17 +16,24 @@ commit (:func:`airflow_broker.spark.commit.commit`) takes it with the Python pat
 code.
 
 Shipped to the executors by value (cloudpickle), like :mod:`~airflow_broker.spark.copy_partition`:
-it imports nothing of airflow_broker. Keep it that way.
+it imports nothing of airflow_broker but :mod:`~airflow_broker.spark.stall`, shipped by value
+with it. Keep it that way.
+
+A far broker that stops answering does not hold a task: its connection is cut after
+``Far.answer_timeout`` seconds without progress (:mod:`~airflow_broker.spark.stall`), the task
+fails, and Spark runs it again.
 """
 
 from __future__ import annotations
 
-import io
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+
+from airflow_broker.spark.copy_partition import copy_arrow, copy_rows
+from airflow_broker.spark.stall import Stall, connect, touch
 
 #: What each task reads of every message (:func:`airflow_broker.spark.direct.write_direct`
 #: makes them): only what is the message's own, and the key of its conversation's row in
@@ -122,8 +129,6 @@ _STAGING_COLUMNS = (
 #: The job's pause variable (``airflow_broker.spark.job.PAUSE_ENV``): crash tests stop a task
 #: at ``task-written`` (before its commit) or ``task-committed``.
 PAUSE_ENV = "AIRFLOW_BROKER_SPARK_PAUSE_AT"
-#: Rows per CSV chunk handed to COPY.
-_CHUNK = 50_000
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,8 @@ class Far:
     precedence: int
     validation_none: str
     sendable_states: frozenset[str]
+    #: seconds without progress after which a task's connection is cut (spark.stall)
+    answer_timeout: float = 300.0
 
 
 @dataclass
@@ -236,34 +243,6 @@ def _with_other_types(table: Any, far: Far) -> set[tuple[str, bool]]:
     }
 
 
-def _csv(table: Any) -> Iterator[bytes]:
-    """``table`` as COPY's CSV: every value quoted, nulls bare (COPY reads a bare empty field
-    as NULL, "" as '')."""
-    import pyarrow.csv as pa_csv
-
-    options = pa_csv.WriteOptions(include_header=False, quoting_style="all_valid")
-    for start in range(0, table.num_rows, _CHUNK):
-        buffer = io.BytesIO()
-        pa_csv.write_csv(table.slice(start, _CHUNK), buffer, options)
-        yield buffer.getvalue()
-
-
-def _copy(cur: Any, name: str, columns: tuple[str, ...], table: Any) -> None:
-    """An Arrow table of many rows (messages) into ``name``, as CSV."""
-    if table.num_rows:
-        with cur.copy(f"COPY {name} ({', '.join(columns)}) FROM STDIN (FORMAT csv)") as copy:
-            for chunk in _csv(table):
-                copy.write(chunk)
-
-
-def _copy_rows(cur: Any, name: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
-    """A few rows (one a conversation) into ``name``, each adapted by psycopg."""
-    if rows:
-        with cur.copy(f"COPY {name} ({', '.join(columns)}) FROM STDIN") as copy:
-            for row in rows:
-                copy.write_row(row)
-
-
 def write_shared(far: Far, plan: Any, batches: Iterator[Any]) -> Iterator[Any]:
     """:func:`write_partition` with the plan Spark broadcast (``plan.value``)."""
     return write_partition(far, plan.value, batches)
@@ -300,12 +279,12 @@ def write_partition(far: Far, plan: Any, batches: Iterator[Any]) -> Iterator[Any
 
     def queue_rows(cur: Any, decided: _Decided) -> int:
         rows = decided.messages(table, far)
-        _copy(cur, "broker_message", _QUEUE_COLUMNS, rows)
+        copy_arrow(cur, "broker_message", _QUEUE_COLUMNS, rows)
         return int(rows.num_rows)
 
     def staged_rows(cur: Any, decided: _Decided) -> int:
         staged = decided.staged(table, far)
-        _copy(cur, "broker_spark_staging", _STAGING_COLUMNS, staged)
+        copy_arrow(cur, "broker_spark_staging", _STAGING_COLUMNS, staged)
         return int(staged.num_rows)
 
     conversations = _conversations(table)
@@ -340,10 +319,11 @@ def into_far(
     endpoints, decide, create what is new, write the messages that go into queues
     (``queue_rows``) and stage the rest (``staged_rows``; both return how many rows they
     wrote), raise the receive sequence numbers. Returns the :data:`RESULT_SCHEMA` batch."""
-    import psycopg
-
-    # prepare_threshold=None: nothing prepared on a server process a pooler may hand to others
-    with psycopg.connect(far.conninfo, prepare_threshold=None) as conn, conn.cursor() as cur:
+    with (
+        connect(far.conninfo, "the far broker") as conn,
+        Stall(conn, far.answer_timeout, "the far broker"),
+        conn.cursor() as cur,
+    ):
         # The far endpoints, locked in handle order until the messages are in.
         cur.execute(
             "SELECT e.conversation_id::text, e.is_initiator, e.conversation_handle::text, "
@@ -359,22 +339,24 @@ def into_far(
             ),
         )
         endpoints = {(r[0], not r[1]): r for r in cur.fetchall()}
+        touch()
         cur.execute(
             "SELECT DISTINCT conversation_handle::text FROM broker_message "
             "WHERE status = %s AND conversation_handle = ANY(%s::uuid[])",
             (far.status_not_complete, [r[2] for r in endpoints.values()]),
         )
         waiting_here = {r[0] for r in cur.fetchall()}
+        touch()
         decided = _decide(far, conversations, other_types, endpoints, waiting_here)
-        _copy_rows(cur, "broker_conversation_group", _GROUP_COLUMNS, decided.new_groups)
-        _copy_rows(cur, "broker_conversation_endpoint", _ENDPOINT_COLUMNS, decided.new_endpoints)
+        copy_rows(cur, "broker_conversation_group", _GROUP_COLUMNS, decided.new_groups)
+        copy_rows(cur, "broker_conversation_endpoint", _ENDPOINT_COLUMNS, decided.new_endpoints)
         expected = sum(c.count - skip for c, skip, _ in decided.slices)
         written = queue_rows(cur, decided)
         if written != expected:  # the source changed under a read that should not see it
             raise RuntimeError(f"{written} messages written into queues, {expected} expected")
         # Conversations before messages: the next run from this source finds a dead run's
         # staged messages by its conversations (commit.prepare).
-        _copy_rows(
+        copy_rows(
             cur,
             "broker_spark_staged_conversation",
             _STAGED_CONVERSATION_COLUMNS,
@@ -395,6 +377,7 @@ def into_far(
                 (far.source_instance, decided.bindings),
             )
         _checkpoint("task-written")
+        conn.commit()  # under the guard: a far broker that hangs in the commit is cut too
     _checkpoint("task-committed")
     rows = [
         {"kind": "ack", "source_handle": h, "upto": upto, "service": svc, "n": n}

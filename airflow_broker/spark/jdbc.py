@@ -15,12 +15,15 @@ import os
 import re
 import sys
 import uuid
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import URL, make_url
+
+from airflow_broker.transport import deadlines
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -382,11 +385,17 @@ def write_table(df: DataFrame, url: str | URL, table: str, *, partitions: int) -
 
 def conninfo(url: str | URL) -> str:
     """The libpq connection string (password included) of a PostgreSQL broker's URL, for
-    psycopg in the executors."""
+    psycopg in the executors: with a connect timeout and TCP keepalives (the far broker's
+    :func:`~airflow_broker.transport.deadlines.connect_args`) unless the URL sets its own."""
     u = make_url(url) if isinstance(url, str) else url
     if u.get_backend_name() != "postgresql":
         raise ValueError(f"COPY is PostgreSQL's; {u.render_as_string()!r} is not PostgreSQL")
-    return u.set(drivername="postgresql").render_as_string(hide_password=False)
+    bounded = {k: str(v) for k, v in deadlines.connect_args(str(u), deadlines.Limits()).items()}
+    return (
+        u.set(drivername="postgresql")
+        .update_query_dict(bounded)
+        .render_as_string(hide_password=False)
+    )
 
 
 def bytea_text(column: Any) -> Any:
@@ -394,6 +403,11 @@ def bytea_text(column: Any) -> Any:
     from pyspark.sql import functions as F
 
     return F.concat(F.lit("\\x"), F.hex(column))
+
+
+#: Seconds a far broker may go without answering the driver's statements or a task's writes
+#: (:mod:`~airflow_broker.spark.stall`); the job sets it for its run.
+answer_timeout: ContextVar[float] = ContextVar("answer_timeout", default=300.0)
 
 
 def copy_table(df: DataFrame, url: str | URL, table: str) -> int:
@@ -407,7 +421,7 @@ def copy_table(df: DataFrame, url: str | URL, table: str) -> int:
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
-    from airflow_broker.spark import copy_partition
+    from airflow_broker.spark import copy_partition, stall
 
     info = conninfo(url)
     columns = []
@@ -420,8 +434,12 @@ def copy_table(df: DataFrame, url: str | URL, table: str) -> int:
     # Shipped by value: the executors need psycopg and pyarrow, not airflow_broker (whose
     # import would cost each Python worker two seconds).
     cloudpickle.register_pickle_by_value(copy_partition)
+    cloudpickle.register_pickle_by_value(stall)
     written = df.select(*columns).mapInArrow(
-        functools.partial(copy_partition.copy_partition, info, statement), "rows long"
+        functools.partial(
+            copy_partition.copy_partition, info, statement, answer_timeout=answer_timeout.get()
+        ),
+        "rows long",
     )
     return sum(int(r.rows) for r in written.collect())
 

@@ -29,6 +29,12 @@ the environment of spark-submit), as :func:`airflow_broker.transport.resolve` do
 
 A run killed at any point and run again delivers every message once: see
 :mod:`airflow_broker.spark.commit`.
+
+A far broker that hangs holds back only its own messages: the driver's statements on it are
+bounded (``--answer-timeout``, 300 s by default: a run's statements are bulk work), each task
+writing into it is cut after that long without progress and run again by Spark
+(:mod:`airflow_broker.spark.stall`), and a far broker whose delivery fails has its
+conversations recorded as waiting with the reason while the run goes on with the others.
 """
 
 from __future__ import annotations
@@ -56,10 +62,11 @@ from airflow_broker.routing import dynamic
 from airflow_broker.routing.routes import routes_of
 from airflow_broker.spark import commit, direct_task, jdbc, transforms
 from airflow_broker.spark.direct import Written, write_direct
+from airflow_broker.spark.stall import StalledError
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.identity import copy_refusal
-from airflow_broker.transport import Inbound, Unreachable, env_name, resolve
+from airflow_broker.transport import Inbound, Unreachable, deadlines, env_name, resolve
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -76,6 +83,8 @@ PAUSE_ENV = direct_task.PAUSE_ENV
 #: Parallel transactions committing at a PostgreSQL far broker (``--commit-parallelism``): the
 #: insert into the queues is the far database's work, so its cores count, not Spark's.
 COMMIT_PARALLELISM = 2
+#: Seconds a far broker may go without answering the run's statements or a task's writes.
+ANSWER_TIMEOUT = 300.0
 #: The job's last line of output starts with this, then its report as JSON.
 REPORT_PREFIX = "AIRFLOW_BROKER_SPARK_REPORT "
 
@@ -100,6 +109,8 @@ class RunReport:
     #: messages per far broker instance
     targets: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    #: far brokers whose delivery failed in this run (their messages wait), with why
+    failed: dict[str, str] = field(default_factory=dict)
     #: seconds spent up to each checkpoint since the one before (summed over far brokers):
     #: planned (read and plan), written (straight into queues) or staged (every message into
     #: the staging table), committed (the staged commit), acknowledged
@@ -158,12 +169,13 @@ def _reachable(
     source: BrokerContext, addresses: tuple[str, ...]
 ) -> tuple[BrokerContext | None, str]:
     """The first address whose broker answers and is the principal (a mirror serves when the
-    principal does not), as :meth:`transport.Transport.push_any` tries them."""
+    principal does not), as :meth:`transport.Transport.push_any` tries them; each within its
+    answer timeout (a broker that hangs is passed over like one that refuses)."""
     failures: list[str] = []
     for address in addresses:
         try:
             peer = resolve(source, address)
-            with peer.engine.connect() as conn:
+            with deadlines.answer_within(peer, address), peer.engine.connect() as conn:
                 settings = Inbound(peer)._settings(conn)
             if not settings.principal:
                 raise Unreachable(f"broker instance {settings.instance_id} is not the principal")
@@ -173,53 +185,22 @@ def _reachable(
     return None, "; ".join(failures)
 
 
-def _native_uuid(column: Any, dialect: str) -> Any:
-    """A canonical UUID column in the text form a database's uuid columns take over JDBC."""
+def _hung(exc: BaseException) -> bool:
+    """Whether ``exc`` says a far broker did not answer: a driver statement past its answer
+    timeout (:class:`Unreachable`), or a task whose connection was cut (its error, raised in
+    the executor, reaches the driver as text in Spark's)."""
+    return isinstance(exc, Unreachable) or StalledError.__name__ in str(exc)
+
+
+def _wait_all(
+    chosen: DataFrame, why: str, waiting: dict[uuid.UUID, str], counts: Counter[str]
+) -> None:
+    """Every conversation of ``chosen`` waits, with ``why``."""
     from pyspark.sql import functions as F
 
-    return F.regexp_replace(column, "-", "") if dialect == "sqlite" else column
-
-
-def _staged_conversations(
-    chosen: DataFrame, run_id: str, source_instance: str, dialect: str, parts: int
-) -> DataFrame:
-    """Rows of ``broker_spark_staged_conversation`` from the plan's rows (one a conversation)."""
-    from pyspark.sql import functions as F
-
-    return chosen.select(
-        F.lit(run_id).alias("run_id"),
-        F.lit(source_instance).alias("source_instance"),
-        _native_uuid(F.col("conversation_id"), dialect).alias("conversation_id"),
-        F.col("is_initiator").alias("from_initiator"),
-        _native_uuid(F.col("conversation_handle"), dialect).alias("source_handle"),
-        F.col("from_service_name").alias("from_service"),
-        F.col("to_service_name").alias("to_service"),
-        F.col("target_instance").alias("to_broker_instance"),
-        F.col("service_contract_name").alias("contract"),
-        F.col("lifetime_epoch"),
-        F.col("hops").cast("int").alias("hops"),
-        transforms.part(parts),
-    )
-
-
-def _staged_messages(df: DataFrame, run_id: str, dialect: str, parts: int) -> DataFrame:
-    """Rows of ``broker_spark_staging`` from planned messages (:func:`transforms.with_plan`),
-    each partition in conversation order: the commit's INSERT ... SELECT reads the staging
-    table as written, and the queue table's two indexes that lead with a conversation's group
-    or handle then take a conversation's messages on one leaf page, not each on a random one
-    (10^6 messages in dialogs of 100: 10.5 s scattered, 5.6 s in order)."""
-    from pyspark.sql import functions as F
-
-    return df.select(
-        F.lit(run_id).alias("run_id"),
-        _native_uuid(F.col("conversation_id"), dialect).alias("conversation_id"),
-        F.col("is_initiator").alias("from_initiator"),
-        F.col("message_sequence_number").alias("seq"),
-        F.col("message_type_name").alias("message_type"),
-        F.col("validation"),
-        F.col("message_body"),
-        transforms.part(parts),
-    ).sortWithinPartitions("conversation_id", "from_initiator", "seq")
+    for r in chosen.groupBy("conversation_handle").agg(F.sum("messages").alias("n")).collect():
+        waiting[uuid.UUID(r.conversation_handle)] = why
+        counts["unreachable"] += int(r.n)
 
 
 def _write(df: DataFrame, target: BrokerContext, table: str) -> int:
@@ -252,13 +233,16 @@ def run(
     commit_parallelism: int = COMMIT_PARALLELISM,
     direct: bool = True,
     source_work_mem: str | None = jdbc.SOURCE_WORK_MEM,
+    answer_timeout: float = ANSWER_TIMEOUT,
 ) -> RunReport:
     """One run of the job from ``source`` (see the module's docstring). ``partitions``: the
     parallel JDBC reads (default: Spark's parallelism), each a transaction at a PostgreSQL far
     broker when ``direct``; ``commit_parallelism``: the parallel transactions of the staged
     commit there. ``direct=False`` stages every message, as the job did before it wrote into
     queues from its tasks. ``source_work_mem``: ``work_mem`` of the reads that group and sort
-    at a PostgreSQL source (:data:`jdbc.SOURCE_WORK_MEM`; None keeps the server's)."""
+    at a PostgreSQL source (:data:`jdbc.SOURCE_WORK_MEM`; None keeps the server's).
+    ``answer_timeout``: seconds a far broker may go without answering the run's statements or
+    a task's writes (then its messages wait, and the run goes on with the other brokers)."""
     from pyspark.sql import functions as F
 
     if commit_parallelism < 1:
@@ -362,31 +346,39 @@ def run(
             chosen = remote.where(F.col("addresses") == F.array(*[F.lit(a) for a in addresses]))
             target, failure = _reachable(source, addresses)
             if target is None:
-                for r in (
-                    chosen.groupBy("conversation_handle")
-                    .agg(F.sum("messages").alias("n"))
-                    .collect()
-                ):
-                    waiting[uuid.UUID(r.conversation_handle)] = failure
-                    counts["unreachable"] += int(r.n)
+                _wait_all(chosen, failure, waiting, counts)
                 log.warning("%s", failure)
                 continue
-            far = _deliver(
-                source,
-                target,
-                pending,
-                chosen,
-                report,
-                run_id,
-                me,
-                waiting,
-                counts,
-                laps,
-                commit_parallelism,
-                direct=direct,
-                stream=stream,
-                classifying=classifier is not None and classify_service is not None,
-            )
+            address = failure  # the address that answered
+            try:
+                far = _deliver(
+                    source,
+                    target,
+                    pending,
+                    chosen,
+                    report,
+                    run_id,
+                    me,
+                    waiting,
+                    counts,
+                    laps,
+                    commit_parallelism,
+                    direct=direct,
+                    stream=stream,
+                    classifying=classifier is not None and classify_service is not None,
+                    address=address,
+                    answer_timeout=answer_timeout,
+                )
+            except Exception as exc:
+                if not _hung(exc):
+                    raise
+                # A far broker that hangs holds back its own messages alone (what it committed
+                # is recognized by sequence number next time): the others go on.
+                why = f"cannot deliver to {address}: {str(exc).strip().splitlines()[0]}"
+                log.warning("%s", why, exc_info=True)
+                report.failed[address] = why
+                _wait_all(chosen, why, waiting, counts)
+                continue
             report.targets[far] = report.targets.get(far, 0) + n
         commit.record_waiting(source, waiting, retry_in=RETRY_BASE, now=now)
         report.waiting = dict(counts)
@@ -427,13 +419,21 @@ def _deliver(
     direct: bool,
     stream: Source | None = None,
     classifying: bool,
+    address: str = "the far broker",
+    answer_timeout: float = ANSWER_TIMEOUT,
 ) -> str:
     """Deliver to ``target`` the messages of ``pending`` whose conversations are the ``chosen``
     rows of the plan (straight into its queues, or staged and committed), and acknowledge them
     at the source; returns its instance id."""
     from pyspark.sql import functions as F
 
-    commit.prepare(target, me, run_id)
+    jdbc.answer_timeout.set(answer_timeout)  # the tasks' (and the driver's reads in them)
+
+    def bounded() -> Any:  # the driver's statements on the far broker
+        return deadlines.answer_within(target, address, seconds=answer_timeout)
+
+    with bounded():
+        commit.prepare(target, me, run_id)
     parts = 1 if target.dialect == "sqlite" else commit_parallelism
     written: Written | None = None
     if direct and target.dialect == "postgresql":
@@ -445,15 +445,18 @@ def _deliver(
         rows = transforms.with_plan(pending, chosen)
         # Conversations first: prepare() finds a dead run's messages by its conversations.
         _write(
-            _staged_conversations(chosen, run_id, me, target.dialect, parts),
+            transforms.staged_conversations(chosen, run_id, me, target.dialect, parts),
             target,
             s.spark_staged_conversation.name,
         )
         staged = _write(
-            _staged_messages(rows, run_id, target.dialect, parts), target, s.spark_staging.name
+            transforms.staged_messages(rows, run_id, target.dialect, parts),
+            target,
+            s.spark_staging.name,
         )
         laps("staged")
-    done = commit.commit(target, run_id, me, written=staged, parts=parts)
+    with bounded():
+        done = commit.commit(target, run_id, me, written=staged, parts=parts)
     laps("committed")
     if written is not None:
         done.acks += written.acks
@@ -519,6 +522,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"work_mem of the reads that group and sort at a PostgreSQL source (default "
         f"{jdbc.SOURCE_WORK_MEM}; 'server' keeps the server's setting)",
     )
+    p.add_argument(
+        "--answer-timeout",
+        type=float,
+        default=ANSWER_TIMEOUT,
+        help=f"seconds a far broker may go without answering a statement or a task's writes "
+        f"before its connection is cut (default {ANSWER_TIMEOUT:g})",
+    )
     p.add_argument("--master", help="Spark master when not set by spark-submit")
     args = p.parse_args(argv)
     if args.source_work_mem == "server":
@@ -529,6 +539,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--source-work-mem: {exc}")
     if args.commit_parallelism < 1:
         p.error("--commit-parallelism must be 1 or more")
+    if args.answer_timeout <= 0:
+        p.error("--answer-timeout must be a positive number of seconds")
     if bool(args.classifier) != bool(args.classify_service):
         p.error("--classifier and --classify-service go together")
     return args
@@ -552,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
             commit_parallelism=args.commit_parallelism,
             direct=not args.staged,
             source_work_mem=args.source_work_mem,
+            answer_timeout=args.answer_timeout,
         )
     finally:
         spark.stop()

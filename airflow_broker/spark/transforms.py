@@ -480,6 +480,55 @@ def plan(
     return with_plan(df, planned)
 
 
+def _native_uuid(column: Any, dialect: str) -> Any:
+    """A canonical UUID column in the text form a database's uuid columns take over JDBC."""
+    from pyspark.sql import functions as F
+
+    return F.regexp_replace(column, "-", "") if dialect == "sqlite" else column
+
+
+def staged_conversations(
+    chosen: DataFrame, run_id: str, source_instance: str, dialect: str, parts: int
+) -> DataFrame:
+    """Rows of ``broker_spark_staged_conversation`` from the plan's rows (one a conversation)."""
+    from pyspark.sql import functions as F
+
+    return chosen.select(
+        F.lit(run_id).alias("run_id"),
+        F.lit(source_instance).alias("source_instance"),
+        _native_uuid(F.col("conversation_id"), dialect).alias("conversation_id"),
+        F.col("is_initiator").alias("from_initiator"),
+        _native_uuid(F.col("conversation_handle"), dialect).alias("source_handle"),
+        F.col("from_service_name").alias("from_service"),
+        F.col("to_service_name").alias("to_service"),
+        F.col("target_instance").alias("to_broker_instance"),
+        F.col("service_contract_name").alias("contract"),
+        F.col("lifetime_epoch"),
+        F.col("hops").cast("int").alias("hops"),
+        part(parts),
+    )
+
+
+def staged_messages(df: DataFrame, run_id: str, dialect: str, parts: int) -> DataFrame:
+    """Rows of ``broker_spark_staging`` from planned messages (:func:`with_plan`),
+    each partition in conversation order: the commit's INSERT ... SELECT reads the staging
+    table as written, and the queue table's two indexes that lead with a conversation's group
+    or handle then take a conversation's messages on one leaf page, not each on a random one
+    (10^6 messages in dialogs of 100: 10.5 s scattered, 5.6 s in order)."""
+    from pyspark.sql import functions as F
+
+    return df.select(
+        F.lit(run_id).alias("run_id"),
+        _native_uuid(F.col("conversation_id"), dialect).alias("conversation_id"),
+        F.col("is_initiator").alias("from_initiator"),
+        F.col("message_sequence_number").alias("seq"),
+        F.col("message_type_name").alias("message_type"),
+        F.col("validation"),
+        F.col("message_body"),
+        part(parts),
+    ).sortWithinPartitions("conversation_id", "from_initiator", "seq")
+
+
 __all__ = [
     "CONVERSATION_KEYS",
     "MESSAGE_COLUMNS",
@@ -499,6 +548,8 @@ __all__ = [
     "pending_schema",
     "plan",
     "route",
+    "staged_conversations",
+    "staged_messages",
     "with_canonical_ids",
     "with_plan",
 ]

@@ -333,11 +333,14 @@ os.register_at_fork(after_in_child=_reset_in_child)
 
 
 @contextlib.contextmanager
-def answer_within(peer: BrokerContext, address: str) -> Iterator[None]:
-    """Bound what the block does on ``peer`` (the broker at ``address``) to its answer timeout:
-    past it the peer's connections are cut and the block raises :class:`Unreachable` ("no
-    answer from ADDRESS for N s"). A peer that did not answer a moment ago fails at once. A
-    deadline inside another (a forwarder's onward push) ends a little before the outer one."""
+def answer_within(
+    peer: BrokerContext, address: str, *, seconds: float | None = None
+) -> Iterator[None]:
+    """Bound what the block does on ``peer`` (the broker at ``address``) to its answer timeout
+    (or ``seconds``): past it the peer's connections are cut and the block raises
+    :class:`Unreachable` ("no answer from ADDRESS for N s"). A peer that did not answer a
+    moment ago fails at once. A deadline inside another (a forwarder's onward push) ends a
+    little before the outer one."""
     if peer.engine.dialect.name != "postgresql":
         yield
         return
@@ -345,7 +348,8 @@ def answer_within(peer: BrokerContext, address: str) -> Iterator[None]:
     reason = hung(peer)
     if reason is not None:
         raise Unreachable(reason)
-    seconds = watched.limits.answer_seconds()
+    if seconds is None:
+        seconds = watched.limits.answer_seconds()
     now = time.monotonic()
     outer: _Deadline | None = getattr(_local, "deadline", None)
     if outer is not None and not outer.done:
