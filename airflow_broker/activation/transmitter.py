@@ -326,6 +326,7 @@ def _add(a: DeliveryReport, b: DeliveryReport) -> DeliveryReport:
         failed=a.failed + b.failed,
         discarded=a.discarded + b.discarded,
         forwarded=a.forwarded + b.forwarded,
+        hung={**a.hung, **b.hung},
     )
 
 

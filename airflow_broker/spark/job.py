@@ -192,6 +192,16 @@ def _hung(exc: BaseException) -> bool:
     return isinstance(exc, Unreachable) or StalledError.__name__ in str(exc)
 
 
+def _hang_reason(exc: BaseException) -> str:
+    """What :func:`_hung` found: the task's own words when Spark wraps them."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    marker = StalledError.__name__ + ": "
+    for line in lines:
+        if marker in line:
+            return line[line.index(marker) + len(marker) :].strip()
+    return lines[0]
+
+
 def _wait_all(
     chosen: DataFrame, why: str, waiting: dict[uuid.UUID, str], counts: Counter[str]
 ) -> None:
@@ -374,7 +384,7 @@ def run(
                     raise
                 # A far broker that hangs holds back its own messages alone (what it committed
                 # is recognized by sequence number next time): the others go on.
-                why = f"cannot deliver to {address}: {str(exc).strip().splitlines()[0]}"
+                why = f"cannot deliver to {address}: {_hang_reason(exc)}"
                 log.warning("%s", why, exc_info=True)
                 report.failed[address] = why
                 _wait_all(chosen, why, waiting, counts)

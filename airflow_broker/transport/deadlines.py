@@ -240,10 +240,11 @@ def answered(peer: BrokerContext) -> None:
         log.info("%r answers again", peer)
 
 
-def _cut(watched: _Watched, address: str, reason: str) -> int:
+def _cut(watched: _Watched, address: str, reason: str, seconds: float) -> int:
     """Shut down the sockets of a hung peer's connections: whatever waits on them fails now,
-    and the pool throws them away. Returns how many were cut."""
-    watched.hung_until = time.monotonic() + watched.limits.answer_seconds()
+    and the pool throws them away; it counts as hung for ``seconds``. Returns how many were
+    cut."""
+    watched.hung_until = time.monotonic() + seconds
     watched.reason = f"{reason} (at {datetime.now(UTC):%H:%M:%S} UTC)"
     cut = 0
     for dbapi_conn in list(watched.connections):
@@ -304,7 +305,7 @@ def _watch_deadlines() -> None:
                     return
                 continue
         for d in due:
-            _cut(d.watched, d.address, f"no answer from {d.address} for {d.seconds:g} s")
+            _cut(d.watched, d.address, f"no answer from {d.address} for {d.seconds:g} s", d.seconds)
 
 
 def _arm(d: _Deadline) -> None:
@@ -318,6 +319,18 @@ def _arm(d: _Deadline) -> None:
             _watchdog.start()
         elif _heap[0][2] is d:
             _wake.notify()
+
+
+def _connect_timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is libpq's connect timeout."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if "timeout expired" in str(getattr(seen, "orig", None) or seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _reset_in_child() -> None:
@@ -362,6 +375,13 @@ def answer_within(
     except Exception as exc:
         if d.struck:
             raise Unreachable(f"no answer from {address} for {seconds:g} s") from exc
+        if _connect_timed_out(exc):
+            # A server that takes connections but never answers them (a stopped server, a
+            # partition): as hung as one that stops answering a statement.
+            d.done = True
+            reason = f"no answer from {address} for {CONNECT_TIMEOUT:g} s (connecting)"
+            _cut(watched, address, reason, seconds)
+            raise Unreachable(reason) from exc
         raise
     finally:
         d.done = True

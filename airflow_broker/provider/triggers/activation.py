@@ -134,6 +134,23 @@ async def in_database(key: str, func: Callable[..., _R], *args: Any) -> _R:
     return await to_thread_in(_executor(key), func, *args)
 
 
+async def hold_broker(key: str, opener: Callable[[], Broker]) -> Broker:
+    """``opener()`` (:func:`acquire_broker`, or a trigger's own) in the database's threads. A
+    trigger cancelled while the database is slow to answer does not keep the broker: it is
+    given back (:func:`release_broker`) once opened."""
+    task = asyncio.ensure_future(in_database(key, opener))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+
+        def give_back(done: asyncio.Future[Broker]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                _executor(key).submit(release_broker, done.result())
+
+        task.add_done_callback(give_back)
+        raise
+
+
 def _forget_in_child() -> None:
     _executors.clear()
 
@@ -452,7 +469,7 @@ class QueueActivationTrigger(BaseEventTrigger):
         return monitor.check()
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        broker = self._held = await in_database(self.broker_conn_id, self._broker)
+        broker = self._held = await hold_broker(self.broker_conn_id, self._broker)
         monitor = self._monitor(broker)
         failures = 0
         try:

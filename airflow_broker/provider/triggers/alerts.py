@@ -18,6 +18,7 @@ the alert: ``kind``, ``object`` (the queue, or the target service), ``detail`` (
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -36,6 +37,7 @@ from airflow_broker.provider.compat import (
 from airflow_broker.provider.triggers.activation import (
     MAX_BACKOFF,
     acquire_broker,
+    hold_broker,
     in_database,
     release_broker,
 )
@@ -107,8 +109,8 @@ class BrokerAlertTrigger(BaseEventTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        broker = self._held = await in_database(
-            self.broker_conn_id, acquire_broker, self.broker_conn_id
+        broker = self._held = await hold_broker(
+            self.broker_conn_id, functools.partial(acquire_broker, self.broker_conn_id)
         )
         failures = 0
         try:

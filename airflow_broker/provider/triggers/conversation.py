@@ -33,6 +33,7 @@ from airflow_broker.provider.triggers.activation import (
     MAX_BACKOFF,
     QueueWaiter,
     acquire_broker,
+    hold_broker,
     in_database,
     release_broker,
 )
@@ -157,7 +158,7 @@ class ConversationMessageTrigger(BaseTrigger):
         return found, self._queue_id(broker) if found is None else 0
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        broker = self._held = await in_database(self.broker_conn_id, self._broker)
+        broker = self._held = await hold_broker(self.broker_conn_id, self._broker)
         failures = 0
         try:
             while True:

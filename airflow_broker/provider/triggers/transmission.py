@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ from airflow_broker.provider.triggers.activation import (
     MAX_BACKOFF,
     QueueWaiter,
     acquire_broker,
+    hold_broker,
     in_database,
     release_broker,
 )
@@ -99,8 +101,8 @@ class TransmissionTrigger(BaseEventTrigger):
         return min(max(until, 0.05), self.poll_interval)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        broker = self._held = await in_database(
-            self.broker_conn_id, acquire_broker, self.broker_conn_id
+        broker = self._held = await hold_broker(
+            self.broker_conn_id, functools.partial(acquire_broker, self.broker_conn_id)
         )
         failures = 0
         try:
