@@ -53,6 +53,11 @@ load) and every body is sealed; ``deliver()`` carries the key exchanges, B check
 opens every body. ``target secure_delivery_vs_plain: RATIO (goal >= 0.7)`` is the secure
 median msgs/s over the plain one. The scratch databases are dropped at the end, also on error.
 
+A broker that hangs (``bench/_hung_peer.py``), after those rounds: messages per second to a
+healthy broker C while broker B, reached through a proxy that stops answering, hangs, against
+the same with B healthy (``--hung-rounds`` of each, ``--hung-dialogs`` dialogs to C):
+``target delivery_with_hung_peer_vs_healthy: RATIO (goal >= 0.8)``.
+
 What the broker adds to the floor: per batch the copy writes the rows once and deletes them once.
 The broker does that too, and on top: a target endpoint and conversation group for every new dialog,
 the far endpoints' sequence numbers, the target queue's three indexes and its NOTIFY trigger,
@@ -79,6 +84,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from bench import _delivery_floor as floor
+from bench import _hung_peer
 from bench._scratch import Database, ScratchServer, quiesce
 from bench._statement_times import StatementTimes
 
@@ -526,6 +532,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="N",
         help="time every SQL statement of deliver() (plain dialogs) and print the N costliest",
     )
+    p.add_argument("--hung-rounds", type=int, default=2, help="hung-peer rounds (0: none)")
+    p.add_argument("--hung-dialogs", type=int, default=2000, help="hung-peer dialogs to C")
     p.add_argument(
         "--url",
         default=None,
@@ -581,11 +589,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_round(server, loaded, index, batch, results, profile, times)
             if not index % 2:
                 run_secure(server, secure, index, results)
+        hung = _hung_peer.run(
+            server, args.hung_rounds, args.hung_dialogs, args.hung_dialogs // 5, args.messages
+        )
     finally:
         server.drop_all()
     print(format_table(results, batch))
     print()
-    for line in ratio_lines(results):
+    for line in [*ratio_lines(results), *hung]:
         print(line)
     if profile is not None:
         _print_profile(profile, args.profile)
