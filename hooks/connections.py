@@ -56,6 +56,11 @@ LIBPQ_EXTRAS = frozenset(
         "keepalives_idle",
         "keepalives_interval",
         "keepalives_count",
+        "tcp_user_timeout",
+        # not libpq's: bounds on this broker as a far broker (transport.deadlines), which
+        # Broker.connect takes off the URL again
+        "answer_timeout",
+        "patience",
         "gssencmode",
         "channel_binding",
     }

@@ -454,11 +454,20 @@ class PostgresAdapter:
 _BOOL = {True: b"t", False: b"f"}
 
 
+#: Query parameters of a broker URL that are not the driver's: how long this broker, as a far
+#: broker, may take to answer and be waited for (transport.deadlines reads them off a peer's
+#: URL); a broker opened from such a URL ignores them.
+PEER_LIMIT_PARAMETERS = ("answer_timeout", "patience")
+
+
 def broker_url(url: str) -> URL:
-    """``url`` parsed, ``postgresql://`` meaning psycopg 3 (``Broker.connect``, ``listen_url``)."""
+    """``url`` parsed, ``postgresql://`` meaning psycopg 3 (``Broker.connect``, ``listen_url``),
+    without :data:`PEER_LIMIT_PARAMETERS` (they would reach libpq)."""
     parsed = make_url(url)
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
+    if any(k in parsed.query for k in PEER_LIMIT_PARAMETERS):
+        parsed = parsed.difference_update_query(PEER_LIMIT_PARAMETERS)
     return parsed
 
 

@@ -48,6 +48,7 @@ from typing import Any
 from sqlalchemy import event, make_url
 from sqlalchemy.engine import URL, Engine
 
+from airflow_broker.storage.adapters import PEER_LIMIT_PARAMETERS
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.transport.packets import Unreachable
 
@@ -79,7 +80,7 @@ ANSWER_TIMEOUT: float = _env_seconds("AIRFLOW_BROKER_ANSWER_TIMEOUT", 30.0)
 PATIENCE: float = _env_seconds("AIRFLOW_BROKER_DELIVERY_PATIENCE", 5.0)
 
 #: The URL query parameters this module takes off a peer's URL (they are not libpq's).
-LIMIT_PARAMETERS = ("answer_timeout", "patience")
+LIMIT_PARAMETERS = PEER_LIMIT_PARAMETERS
 #: TCP settings given to libpq for a peer whose URL does not set them: an idle connection is
 #: probed after 10 s and given up after 3 unanswered probes 5 s apart; data unacknowledged for
 #: ANSWER_TIMEOUT ends the connection (tcp_user_timeout, milliseconds).
@@ -153,6 +154,8 @@ class _Watched:
     hung_until: float = 0.0
     #: why it counts as hung
     reason: str = ""
+    #: it was cut and has not answered since (a pass does not wait for it: lanes)
+    suspect: bool = False
 
 
 _watched: weakref.WeakKeyDictionary[Engine, _Watched] = weakref.WeakKeyDictionary()
@@ -232,11 +235,18 @@ def hung(peer: BrokerContext) -> str | None:
     return f"{watched.reason}; tried again from {again:%H:%M:%S} UTC"
 
 
+def suspected(peer: BrokerContext) -> bool:
+    """Whether ``peer`` did not answer in time and has not answered since."""
+    watched = _watched.get(peer.engine)
+    return watched is not None and watched.suspect
+
+
 def answered(peer: BrokerContext) -> None:
     """``peer`` answered: it no longer counts as hung."""
     watched = _watched.get(peer.engine)
-    if watched is not None and watched.hung_until:
+    if watched is not None and watched.suspect:
         watched.hung_until = 0.0
+        watched.suspect = False
         log.info("%r answers again", peer)
 
 
@@ -245,6 +255,7 @@ def _cut(watched: _Watched, address: str, reason: str, seconds: float) -> int:
     and the pool throws them away; it counts as hung for ``seconds``. Returns how many were
     cut."""
     watched.hung_until = time.monotonic() + seconds
+    watched.suspect = True
     watched.reason = f"{reason} (at {datetime.now(UTC):%H:%M:%S} UTC)"
     cut = 0
     for dbapi_conn in list(watched.connections):
@@ -305,7 +316,12 @@ def _watch_deadlines() -> None:
                     return
                 continue
         for d in due:
-            _cut(d.watched, d.address, f"no answer from {d.address} for {d.seconds:g} s", d.seconds)
+            _cut(
+                d.watched,
+                d.address,
+                f"no answer from {d.address} for {_secs(d.seconds)} s",
+                d.seconds,
+            )
 
 
 def _arm(d: _Deadline) -> None:
@@ -319,6 +335,10 @@ def _arm(d: _Deadline) -> None:
             _watchdog.start()
         elif _heap[0][2] is d:
             _wake.notify()
+
+
+def _secs(seconds: float) -> str:
+    return f"{round(seconds, 1):g}"
 
 
 def _connect_timed_out(exc: BaseException) -> bool:
@@ -374,12 +394,13 @@ def answer_within(
         yield
     except Exception as exc:
         if d.struck:
-            raise Unreachable(f"no answer from {address} for {seconds:g} s") from exc
+            raise Unreachable(f"no answer from {address} for {_secs(seconds)} s") from exc
         if _connect_timed_out(exc):
             # A server that takes connections but never answers them (a stopped server, a
             # partition): as hung as one that stops answering a statement.
             d.done = True
-            reason = f"no answer from {address} for {CONNECT_TIMEOUT:g} s (connecting)"
+            given = peer.engine.url.query.get("connect_timeout", CONNECT_TIMEOUT)
+            reason = f"no answer from {address} for {given} s (connecting)"
             _cut(watched, address, reason, seconds)
             raise Unreachable(reason) from exc
         raise
@@ -390,7 +411,7 @@ def answer_within(
         # The block ended on its own just as the watchdog struck: its connections are cut
         # all the same, and what it did stands.
         log.info("%s answered just as its deadline struck", address)
-    elif watched.hung_until:
+    elif watched.suspect:
         answered(peer)
 
 
@@ -405,5 +426,6 @@ __all__ = [
     "hung",
     "limits_of",
     "split_limits",
+    "suspected",
     "watch",
 ]

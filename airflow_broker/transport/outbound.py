@@ -323,6 +323,7 @@ class Transport:
             if busy is not None:
                 self._left_waiting(plan, address, conversations, packets, busy)
                 continue
+            peer: Any = None
             try:
                 peer = resolve(self.b, address)
                 suspect, limits = deadlines.hung(peer), deadlines.limits_of(peer)
@@ -332,10 +333,14 @@ class Transport:
                 # It did not answer a moment ago: tried again once that moment has passed.
                 self._left_waiting(plan, address, conversations, packets, suspect)
                 continue
-            patience = limits.patience_seconds()
+            # One that did not answer last time is not waited for: tried in the background.
+            suspect_peer = peer is not None and deadlines.suspected(peer)
+            patience = 0.0 if suspect_peer else limits.patience_seconds()
             why = (
                 f"no answer from {address} for {patience:g} s yet (the delivery goes on in the "
                 "background); tried again when it answers"
+                if patience
+                else f"{address} did not answer last time: tried again in the background"
             )
             future = lane.submit(self._send_to, addresses, conversations, packets, plan)
             running.append((started + patience, why, addresses, future))
