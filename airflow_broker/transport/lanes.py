@@ -1,18 +1,19 @@
 """Delivery isolated per destination: each far broker has a lane of its own.
 
 A batch of the transmission queue holds messages for several far brokers. Its pushes run at
-once, one worker thread per destination (a *lane*, per source database and address, shared by
-the process's passes), and the pass waits for each destination at most its *patience*
-(:data:`~.deadlines.PATIENCE`, 5 s; none for a destination that did not answer a moment ago).
+once, each destination's in its own workers (a *lane*, per source database and address, shared
+by the process's passes), and the pass waits for each destination at most its *patience*
+(:data:`~.deadlines.PATIENCE`, 5 s; none for a destination that did not answer last time).
 A destination still busy after that is left to its lane: the pass records its messages as
 waiting ("no answer from broker://b for 5 s yet ...") and commits the rest of the batch, so the
 others go on at their usual rate. The push itself stays bounded by the answer timeout
 (:mod:`.deadlines`); when it ends, what it brought back (acknowledgments, what the far broker
-took) is recorded in a transaction of its own (:meth:`Transport._late`).
+took) is recorded in a transaction of its own (:meth:`.Transport._late`).
 
-While a destination's lane is busy, later passes do not push to it again: its messages wait
-with the reason, and are tried once the lane is free and their backoff is due. Pushes to one
-destination stay in order, one at a time, as the far broker takes them.
+While a push a pass stopped waiting for is still out, later passes do not push to that
+destination again: its messages wait with the reason, and are tried once the push has ended
+and their backoff is due. A pass's pushes to one destination follow each other, as the far
+broker takes them; passes that run at once in one process push at once, as before.
 """
 
 from __future__ import annotations
@@ -32,19 +33,24 @@ _T = TypeVar("_T")
 
 
 class Lane:
-    """The worker of one destination: pushes to it run here, one at a time, in a daemon
-    thread (a process that ends does not wait for a far broker that hangs: what it was pushing
-    stays in the transmission queue and goes again)."""
+    """The workers of one destination: its pushes run here, in daemon threads (a process that
+    ends does not wait for a far broker that hangs: what it was pushing stays in the
+    transmission queue and goes again). A pass's pushes to one destination follow each other;
+    passes running at once in one process push at once, up to :attr:`WORKERS`."""
+
+    #: pushes to one destination at once (from passes running at once in this process)
+    WORKERS = 4
 
     def __init__(self, address: str) -> None:
         self.address = address
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
         self._jobs = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        #: time.monotonic() when the running push started (None: idle)
-        self.busy_since: float | None = None
+        self._threads = 0
         self._lock = threading.Lock()
+        #: pushes submitted and not finished
         self._queued = 0
+        #: pushes a pass stopped waiting for, by id, with time.monotonic() when they started
+        self._overdue: dict[int, float] = {}
         #: time.monotonic() of its last push's end (lanes idle for IDLE_SECONDS are closed)
         self.last_used = time.monotonic()
 
@@ -53,29 +59,45 @@ class Lane:
             return 0.0 if self._queued else now - self.last_used
 
     def close(self) -> None:
-        self._jobs.put(None)
+        with self._lock:
+            threads = self._threads
+        for _ in range(threads):
+            self._jobs.put(None)
 
     def busy(self) -> str | None:
-        """Why nothing more should be handed to this lane now (a push that has not answered
-        yet), or None."""
+        """Why nothing more should be handed to this lane now (a push a pass stopped waiting
+        for is still out), or None."""
         with self._lock:
-            if self._queued == 0 or self.busy_since is None:
+            if not self._overdue:
                 return None
-            waited = time.monotonic() - self.busy_since
+            waited = time.monotonic() - min(self._overdue.values())
         return (
             f"no answer from {self.address} for {waited:.0f} s yet "
             "(a delivery to it is still waiting); tried again when it answers"
         )
 
+    def overdue(self, future: Future[Any], since: float) -> None:
+        """A pass stopped waiting for ``future`` (it started at ``since``): the lane counts as
+        busy until it ends."""
+        key = id(future)
+        with self._lock:
+            self._overdue[key] = since
+
+        def ended(_done: Future[Any]) -> None:
+            with self._lock:
+                self._overdue.pop(key, None)
+
+        future.add_done_callback(ended)
+
     def submit(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
         future: Future[_T] = Future()
         with self._lock:
             self._queued += 1
-            if self._thread is None:
-                self._thread = threading.Thread(
+            if self._queued > self._threads and self._threads < self.WORKERS:
+                self._threads += 1
+                threading.Thread(
                     target=self._work, name=f"airflow-broker-lane-{self.address}", daemon=True
-                )
-                self._thread.start()
+                ).start()
         self._jobs.put((future, functools.partial(fn, *args)))
         return future
 
@@ -85,8 +107,6 @@ class Lane:
             if job is None:
                 return
             future, call = job
-            with self._lock:
-                self.busy_since = time.monotonic()
             try:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -96,7 +116,6 @@ class Lane:
             finally:
                 with self._lock:
                     self._queued -= 1
-                    self.busy_since = None
                     self.last_used = time.monotonic()
 
 

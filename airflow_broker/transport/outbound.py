@@ -350,6 +350,7 @@ class Transport:
             except FutureTimeout:
                 conversations, packets = jobs[addresses]
                 self._left_waiting(plan, addresses[0], conversations, packets, why)
+                lanes.lane(self.b, addresses[0]).overdue(future, started)
                 future.add_done_callback(functools.partial(self._late, plan, addresses[0]))
                 continue
             plan["taken"] += sent.taken
