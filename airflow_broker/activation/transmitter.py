@@ -409,6 +409,8 @@ def transmit(
         left.due,
         left.next_attempt_at,
     )
+    for address, why in total.hung.items():
+        log.warning("transmitter: %s did not answer in this run: %s", address, why)
     return result
 
 
