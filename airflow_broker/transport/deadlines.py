@@ -40,7 +40,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -55,29 +55,31 @@ from airflow_broker.transport.packets import Unreachable
 log = logging.getLogger("airflow_broker")
 
 
-def _env_seconds(name: str, default: float) -> float:
+def env_number(name: str, default: float, kind: Callable[[str], float] = float) -> Any:
+    """The positive number in environment variable ``name`` (``kind``: int or float), else
+    ``default`` (a warning says so when the variable is set to something else)."""
     value = os.environ.get(name)
     if value is None:
         return default
     try:
-        seconds = float(value)
+        number = kind(value)
     except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        log.warning("%s=%r is not a positive number of seconds: %s used", name, value, default)
+        number = -1
+    if number <= 0:
+        log.warning("%s=%r is not a positive number: %s used", name, value, default)
         return default
-    return seconds
+    return number
 
 
 #: Seconds to wait for a far database's server to answer a connection attempt.
 CONNECT_TIMEOUT = 5
 #: Seconds a far broker may take to answer one operation before its connections are cut and it
 #: counts as hung (read at each use: a process or a test may change it).
-ANSWER_TIMEOUT: float = _env_seconds("AIRFLOW_BROKER_ANSWER_TIMEOUT", 30.0)
+ANSWER_TIMEOUT: float = env_number("AIRFLOW_BROKER_ANSWER_TIMEOUT", 30.0)
 #: Seconds a delivery pass waits for a destination that answered last time before it records
 #: that destination's messages as waiting and goes on (:mod:`.lanes`); the push goes on in the
 #: background, bounded by ANSWER_TIMEOUT, and what it brings back is recorded then.
-PATIENCE: float = _env_seconds("AIRFLOW_BROKER_DELIVERY_PATIENCE", 5.0)
+PATIENCE: float = env_number("AIRFLOW_BROKER_DELIVERY_PATIENCE", 5.0)
 
 #: The URL query parameters this module takes off a peer's URL (they are not libpq's).
 LIMIT_PARAMETERS = PEER_LIMIT_PARAMETERS

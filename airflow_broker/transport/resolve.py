@@ -42,23 +42,10 @@ from airflow_broker import routing
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.transport import deadlines
 from airflow_broker.transport.deadlines import CONNECT_TIMEOUT as CONNECT_TIMEOUT
+from airflow_broker.transport.deadlines import env_number as _env_number
 from airflow_broker.transport.packets import Unreachable
 
 log = logging.getLogger("airflow_broker")
-
-
-def _env_number(name: str, default: float, kind: Callable[[str], float]) -> Any:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        number = kind(value)
-    except ValueError:
-        number = -1
-    if number <= 0:
-        log.warning("%s=%r is not a positive number: %s used", name, value, default)
-        return default
-    return number
 
 
 #: A peer not used for this many seconds has its connections closed (the next use reconnects).
