@@ -21,27 +21,28 @@ directory if the test process dies without stopping it (a pytest-timeout kill, s
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psycopg
 import pytest
 from support.tls_cluster import (
     SERVER_OS_USER,
     SUPERUSER,
-    _as_root,
+    PrivateCluster,
     _run_as_server,
     free_port,
+    initdb,
+    private_root,
     server_bindir,
+    server_owner,
+    start_server,
 )
 
 #: How long :meth:`FrozenCluster.freeze` waits for every process to be stopped.
@@ -113,42 +114,20 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
 
 
 @dataclass
-class FrozenCluster:
+class FrozenCluster(PrivateCluster):
     """A running private cluster on 127.0.0.1:``port``; :meth:`freeze` and :meth:`thaw` it."""
 
-    root: Path
-    bindir: Path
-    port: int
     guardian: subprocess.Popen[bytes] | None = None
     #: the processes the last freeze() stopped (postmaster first)
     stopped: list[int] = field(default_factory=list)
-
-    @property
-    def data(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def log_file(self) -> Path:
-        return self.root / "postgres.log"
-
-    def server_log(self) -> str:
-        try:
-            return self.log_file.read_text(errors="replace")[-4000:]
-        except OSError:
-            return "(no server log)"
 
     def url(self, dbname: str) -> str:
         """The SQLAlchemy URL of database ``dbname`` of this cluster, over TCP."""
         return f"postgresql+psycopg://{SUPERUSER}@127.0.0.1:{self.port}/{dbname}"
 
     def create_database(self, name: str) -> str:
-        """Create database ``name`` (over the Unix socket, as the superuser); returns it. Not
-        while frozen: it would wait for the thaw."""
-        with psycopg.connect(
-            host=str(self.root), port=self.port, user=SUPERUSER, dbname="postgres", autocommit=True
-        ) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        return name
+        """Create database ``name``; returns it. Not while frozen: it would wait for the thaw."""
+        return super().create_database(name)
 
     # -- freezing ----------------------------------------------------------------------------
 
@@ -237,20 +216,8 @@ def start_frozen_cluster() -> FrozenCluster:
     """initdb a cluster in a new temporary directory, allow ``trust`` connections on 127.0.0.1,
     start it (running, not frozen) with its guardian. Stop it with :meth:`FrozenCluster.stop`."""
     bindir = _bindir()
-    owner: pwd.struct_passwd | None = None
-    if _as_root():
-        try:
-            owner = pwd.getpwnam(SERVER_OS_USER)
-        except KeyError:
-            pytest.fail(
-                f"running as root, the test cluster runs as OS user {SERVER_OS_USER!r}, which "
-                "does not exist: install Debian's `postgresql` package (it creates the user)"
-            )
-    # Not under pytest's tmp_path: the server's user must reach its files.
-    root = Path(tempfile.mkdtemp(prefix="broker-frozen-"))
-    root.chmod(0o755)
-    if owner is not None:
-        os.chown(root, owner.pw_uid, owner.pw_gid)
+    owner = server_owner("the hung-peer test cluster")
+    root = private_root("broker-frozen-", owner)
     cluster = FrozenCluster(root=root, bindir=bindir, port=free_port())
     # The guardian first: from here on, whatever happens to this process, the cluster goes.
     cluster.guardian = subprocess.Popen(
@@ -270,49 +237,17 @@ def start_frozen_cluster() -> FrozenCluster:
 
 
 def _set_up(cluster: FrozenCluster) -> None:
-    bindir, root = cluster.bindir, cluster.root
-    _run_as_server(
-        [
-            str(bindir / "initdb"),
-            "-D",
-            str(cluster.data),
-            "-U",
-            SUPERUSER,
-            "--auth=trust",
-            "--encoding=UTF8",
-            "--locale=C",
-            "--no-sync",
-        ]
+    initdb(
+        cluster,
+        "# airflow-broker hung-peer test cluster\n"
+        "max_connections = 40\n"
+        "shared_buffers = 16MB\n"
+        "fsync = off\n"
+        "synchronous_commit = off\n"
+        "full_page_writes = off\n",
+        "local all all trust\nhost all all 127.0.0.1/32 trust\n",
     )
-    with (cluster.data / "postgresql.conf").open("a") as conf:
-        conf.write(
-            "\n# airflow-broker hung-peer test cluster\n"
-            f"port = {cluster.port}\n"
-            "listen_addresses = '127.0.0.1'\n"
-            f"unix_socket_directories = '{root}'\n"
-            "max_connections = 40\n"
-            "shared_buffers = 16MB\n"
-            "fsync = off\n"
-            "synchronous_commit = off\n"
-            "full_page_writes = off\n"
-        )
-    (cluster.data / "pg_hba.conf").write_text(
-        "local all all trust\nhost all all 127.0.0.1/32 trust\n"
-    )
-    started = _run_as_server(
-        [
-            str(bindir / "pg_ctl"),
-            "-D",
-            str(cluster.data),
-            "-l",
-            str(cluster.log_file),
-            "-w",
-            "-t",
-            "30",
-            "start",
-        ],
-        check=False,
-    )
+    started = start_server(cluster)
     if started.returncode != 0:
         pytest.fail(
             f"the hung-peer test cluster did not start ({started.stdout}{started.stderr}):\n"

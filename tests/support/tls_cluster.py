@@ -154,18 +154,13 @@ def make_server_cert(
 
 
 @dataclass
-class TlsCluster:
-    """A running TLS-only cluster: connect to ``host``:``port`` as :data:`SUPERUSER`, database
-    :data:`DATABASE`, verifying the server with ``ca_file``; ``wrong_ca_file`` signed nothing."""
+class PrivateCluster:
+    """A throw-away cluster of a test's own (the TLS one here, the frozen one of
+    :mod:`support.frozen_cluster`): its files under ``root``, listening on ``port``."""
 
     root: Path
     bindir: Path
     port: int
-    ca_file: Path
-    wrong_ca_file: Path
-    host: str = "localhost"
-    database: str = DATABASE
-    user: str = SUPERUSER
 
     @property
     def data(self) -> Path:
@@ -188,6 +183,18 @@ class TlsCluster:
         ) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return name
+
+
+@dataclass
+class TlsCluster(PrivateCluster):
+    """A running TLS-only cluster: connect to ``host``:``port`` as :data:`SUPERUSER`, database
+    :data:`DATABASE`, verifying the server with ``ca_file``; ``wrong_ca_file`` signed nothing."""
+
+    ca_file: Path
+    wrong_ca_file: Path
+    host: str = "localhost"
+    database: str = DATABASE
+    user: str = SUPERUSER
 
     def stop(self) -> None:
         _run_as_server(
@@ -221,23 +228,81 @@ def _write(path: Path, data: bytes, mode: int, owner: pwd.struct_passwd | None) 
         os.chown(path, owner.pw_uid, owner.pw_gid)
 
 
+def server_owner(what: str) -> pwd.struct_passwd | None:
+    """The OS user a private cluster runs as: None (this one), or :data:`SERVER_OS_USER` as
+    root; ``what`` names the cluster in the failure when that user does not exist."""
+    if not _as_root():
+        return None
+    try:
+        return pwd.getpwnam(SERVER_OS_USER)
+    except KeyError:
+        pytest.fail(
+            f"running as root, {what} runs as OS user {SERVER_OS_USER!r}, which does not "
+            "exist: install Debian's `postgresql` package (it creates the user)"
+        )
+
+
+def private_root(prefix: str, owner: pwd.struct_passwd | None) -> Path:
+    """A new directory for a private cluster. Not under pytest's tmp_path: that is private to
+    the user running the tests (0700), and the server's user must reach its files."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    root.chmod(0o755)
+    if owner is not None:
+        os.chown(root, owner.pw_uid, owner.pw_gid)
+    return root
+
+
+def initdb(cluster: PrivateCluster, settings: str, hba: str) -> None:
+    """Make ``cluster``'s data directory (trust, UTF8, C locale), with ``settings`` added to
+    its postgresql.conf after the port, address and socket directory, and ``hba`` as its
+    pg_hba.conf."""
+    _run_as_server(
+        [
+            str(cluster.bindir / "initdb"),
+            "-D",
+            str(cluster.data),
+            "-U",
+            SUPERUSER,
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--locale=C",
+            "--no-sync",
+        ]
+    )
+    with (cluster.data / "postgresql.conf").open("a") as conf:
+        conf.write(
+            f"\nport = {cluster.port}\n"
+            "listen_addresses = '127.0.0.1'\n"
+            f"unix_socket_directories = '{cluster.root}'\n" + settings
+        )
+    (cluster.data / "pg_hba.conf").write_text(hba)
+
+
+def start_server(cluster: PrivateCluster) -> subprocess.CompletedProcess[str]:
+    """``pg_ctl start`` of ``cluster``, waiting up to 30 s; the caller checks how it went."""
+    return _run_as_server(
+        [
+            str(cluster.bindir / "pg_ctl"),
+            "-D",
+            str(cluster.data),
+            "-l",
+            str(cluster.log_file),
+            "-w",
+            "-t",
+            "30",
+            "start",
+        ],
+        check=False,
+    )
+
+
 def start_tls_cluster() -> TlsCluster:
     """initdb a cluster in a new temporary directory, give it a certificate, allow only
     ``hostssl`` connections on 127.0.0.1, start it and create :data:`DATABASE`. Stop it with
     :meth:`TlsCluster.stop` (which also removes the directory)."""
     bindir = server_bindir()
-    owner: pwd.struct_passwd | None = None
-    if _as_root():
-        try:
-            owner = pwd.getpwnam(SERVER_OS_USER)
-        except KeyError:
-            pytest.fail(
-                f"running as root, the TLS cluster runs as OS user {SERVER_OS_USER!r}, which "
-                "does not exist: install Debian's `postgresql` package (it creates the user)"
-            )
-    # Not under pytest's tmp_path: that is private to the user running the tests (0700), and
-    # the server's user must reach its files.
-    root = Path(tempfile.mkdtemp(prefix="broker-tls-"))
+    owner = server_owner("the TLS cluster")
+    root = private_root("broker-tls-", owner)
     try:
         return _set_up(root, bindir, owner)
     except BaseException:
@@ -246,9 +311,6 @@ def start_tls_cluster() -> TlsCluster:
 
 
 def _set_up(root: Path, bindir: Path, owner: pwd.struct_passwd | None) -> TlsCluster:
-    root.chmod(0o755)
-    if owner is not None:
-        os.chown(root, owner.pw_uid, owner.pw_gid)
 
     ca, ca_key = make_ca("airflow-broker test CA")
     wrong_ca, _ = make_ca("airflow-broker wrong CA")
@@ -266,50 +328,19 @@ def _set_up(root: Path, bindir: Path, owner: pwd.struct_passwd | None) -> TlsClu
         ca_file=root / "ca.crt",
         wrong_ca_file=root / "wrong-ca.crt",
     )
-    _run_as_server(
-        [
-            str(bindir / "initdb"),
-            "-D",
-            str(cluster.data),
-            "-U",
-            SUPERUSER,
-            "--auth=trust",
-            "--encoding=UTF8",
-            "--locale=C",
-            "--no-sync",
-        ]
-    )
-    with (cluster.data / "postgresql.conf").open("a") as conf:
-        conf.write(
-            "\n# airflow-broker TLS test cluster\n"
-            f"port = {cluster.port}\n"
-            "listen_addresses = '127.0.0.1'\n"
-            f"unix_socket_directories = '{root}'\n"
-            "ssl = on\n"
-            f"ssl_cert_file = '{root / 'server.crt'}'\n"
-            f"ssl_key_file = '{root / 'server.key'}'\n"
-            "fsync = off\n"
-            "max_connections = 40\n"
-        )
-    (cluster.data / "pg_hba.conf").write_text(
+    initdb(
+        cluster,
+        "# airflow-broker TLS test cluster\n"
+        "ssl = on\n"
+        f"ssl_cert_file = '{root / 'server.crt'}'\n"
+        f"ssl_key_file = '{root / 'server.key'}'\n"
+        "fsync = off\n"
+        "max_connections = 40\n",
         "# TLS only over TCP: no `host` line\n"
         "local all all trust\n"
-        "hostssl all all 127.0.0.1/32 trust\n"
+        "hostssl all all 127.0.0.1/32 trust\n",
     )
-    started = _run_as_server(
-        [
-            str(bindir / "pg_ctl"),
-            "-D",
-            str(cluster.data),
-            "-l",
-            str(cluster.log_file),
-            "-w",
-            "-t",
-            "30",
-            "start",
-        ],
-        check=False,
-    )
+    started = start_server(cluster)
     if started.returncode != 0:
         log = cluster.server_log()
         cluster.stop()  # an immediate stop of whatever half started
