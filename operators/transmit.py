@@ -48,7 +48,8 @@ class TransmitOperator(BaseOperator):
 
     Returns the run's report: ``skipped``, ``passes``, ``spark_runs``, ``seconds``, the
     delivery counts (``delivered``, ``acknowledged``, ``delayed``, ``failed``, ``discarded``,
-    ``forwarded``) and what still waits (``left_waiting``, ``left_due``, ``next_attempt_at``).
+    ``forwarded``), ``hung`` (far brokers that did not answer during the run: address -> why)
+    and what still waits (``left_waiting``, ``left_due``, ``next_attempt_at``).
     """
 
     template_fields: Sequence[str] = ("broker_conn_id",)

@@ -9,7 +9,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from types import FrameType
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from airflow_broker.cli.common import (
     EXIT_ERROR,
@@ -29,12 +29,16 @@ if TYPE_CHECKING:
 
 
 def format_report(report: DeliveryReport) -> str:
-    """``delivered: 3, acknowledged: 3, delayed: 0, failed: 0, discarded: 0, forwarded: 0``."""
-    return ", ".join(f"{f}: {getattr(report, f)}" for f in REPORT_FIELDS)
+    """``delivered: 3, acknowledged: 3, delayed: 0, failed: 0, discarded: 0, forwarded: 0``,
+    and a line ``no answer from ADDRESS: why`` for each far broker that did not answer."""
+    lines = [", ".join(f"{f}: {getattr(report, f)}" for f in REPORT_FIELDS)]
+    lines += [f"hung: {address}: {why}" for address, why in sorted(report.hung.items())]
+    return "\n".join(lines)
 
 
-def _report_json(report: DeliveryReport) -> dict[str, int]:
-    return {f: int(getattr(report, f)) for f in REPORT_FIELDS}
+def _report_json(report: DeliveryReport) -> dict[str, Any]:
+    """The report's counts, and ``hung``: the far brokers that did not answer, with why."""
+    return {**{f: int(getattr(report, f)) for f in REPORT_FIELDS}, "hung": dict(report.hung)}
 
 
 class _Stop(Exception):
@@ -103,8 +107,8 @@ def _deliver_loop(broker: Broker, args: argparse.Namespace, out: TextIO, databas
             else:
                 passes += 1
                 counts = _report_json(report)
-                for key, value in counts.items():
-                    totals[key] += value
+                for key in REPORT_FIELDS:
+                    totals[key] += counts[key]
                 if args.json:
                     print(json.dumps({"at": stamp, **counts}), file=out, flush=True)
                 elif any(counts.values()):
