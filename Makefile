@@ -61,6 +61,7 @@ PGBOUNCER_TESTS := tests/test_dialogs.py tests/test_receive.py tests/test_empty_
 	tests/test_exact_accounting_pg.py tests/test_rollback_hold.py \
 	tests/test_concurrency_pg.py tests/test_transport_pg.py tests/test_delivery_pipeline_pg.py \
 	tests/test_activation.py tests/test_runner.py tests/test_transmitter.py tests/test_triggers.py \
+	tests/test_hung_peer_pg.py \
 	"tests/test_spark_job.py::test_the_job_delivers_every_message_once_in_order_and_replies_come_back" \
 	tests/test_spark_job.py::test_postgresql_groups_the_conversations_as_the_spark_transform_does
 
@@ -74,7 +75,8 @@ test-pgbouncer: install-dev postgres pgbouncer
 # every package pinned by tests/support/oldest-airflow.txt, rebuilt when the pins change.
 OLDEST := .venv-oldest
 OLDEST_TESTS := tests/test_e2e_activation.py tests/test_e2e_transmitter.py \
-	tests/test_plugin_e2e.py tests/test_dbmanager.py tests/test_airflow_versions.py
+	tests/test_e2e_hung_peer.py tests/test_plugin_e2e.py tests/test_dbmanager.py \
+	tests/test_airflow_versions.py
 
 oldest: install-dev
 	$(BIN)/python tests/support/ensure_oldest_airflow.py
