@@ -66,6 +66,44 @@ def test_libpq_gets_bounds_unless_the_url_gives_its_own() -> None:
     assert "tcp_user_timeout" not in own and own["keepalives"] == 1
 
 
+def test_the_spark_executors_connections_are_bounded_too() -> None:
+    from airflow_broker.spark import jdbc
+
+    info = jdbc.conninfo("postgresql+psycopg://u@h/db?keepalives_idle=60")
+    assert info.startswith("postgresql://u@h/db?")
+    assert f"connect_timeout={deadlines.CONNECT_TIMEOUT}" in info and "keepalives=1" in info
+    assert "keepalives_idle=60" in info and "keepalives_idle=10" not in info
+    assert "tcp_user_timeout=" in info
+
+
+def test_a_lane_is_busy_only_while_a_push_a_pass_gave_up_on_is_out() -> None:
+    """Pushes of passes running at once go at once; only an overdue one makes the lane busy,
+    until it ends."""
+    import threading
+
+    from airflow_broker.transport.lanes import Lane
+
+    lane = Lane("broker://far")
+    both = threading.Barrier(2, timeout=5)
+    release = threading.Event()
+
+    def push() -> str:
+        both.wait()  # both pushes run at the same time, or this times out
+        release.wait(5)
+        return "done"
+
+    first, second = lane.submit(push), lane.submit(push)
+    time.sleep(0.2)
+    assert lane.busy() is None  # running, but no pass stopped waiting for them
+    lane.overdue(first, time.monotonic())
+    why = lane.busy()
+    assert why is not None and why.startswith("no answer from broker://far for")
+    release.set()
+    assert first.result(5) == second.result(5) == "done"
+    assert lane.busy() is None
+    lane.close()
+
+
 def test_an_airflow_connection_carries_the_limits_and_its_broker_opens(pg_url: str) -> None:
     from sqlalchemy import make_url
 

@@ -324,6 +324,8 @@ def run(
         classify_service=classify_service,
     )
     planned = planned.coalesce(parts).persist()
+    # The tasks' (and the driver's reads for them) answer timeout, for this run only.
+    token = jdbc.answer_timeout.set(answer_timeout)
     try:
         summary = planned.groupBy("outcome", "addresses").agg(F.sum("messages").alias("n"))
         outcomes: Counter[str] = Counter()
@@ -393,6 +395,7 @@ def run(
         commit.record_waiting(source, waiting, retry_in=RETRY_BASE, now=now)
         report.waiting = dict(counts)
     finally:
+        jdbc.answer_timeout.reset(token)
         planned.unpersist()
         conv.unpersist()
     report.seconds = round(time.monotonic() - started, 3)
@@ -436,8 +439,6 @@ def _deliver(
     rows of the plan (straight into its queues, or staged and committed), and acknowledge them
     at the source; returns its instance id."""
     from pyspark.sql import functions as F
-
-    jdbc.answer_timeout.set(answer_timeout)  # the tasks' (and the driver's reads in them)
 
     def bounded() -> Any:  # the driver's statements on the far broker
         return deadlines.answer_within(target, address, seconds=answer_timeout)

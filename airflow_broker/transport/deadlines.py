@@ -81,8 +81,6 @@ ANSWER_TIMEOUT: float = env_number("AIRFLOW_BROKER_ANSWER_TIMEOUT", 30.0)
 #: background, bounded by ANSWER_TIMEOUT, and what it brings back is recorded then.
 PATIENCE: float = env_number("AIRFLOW_BROKER_DELIVERY_PATIENCE", 5.0)
 
-#: The URL query parameters this module takes off a peer's URL (they are not libpq's).
-LIMIT_PARAMETERS = PEER_LIMIT_PARAMETERS
 #: TCP settings given to libpq for a peer whose URL does not set them: an idle connection is
 #: probed after 10 s and given up after 3 unanswered probes 5 s apart; data unacknowledged for
 #: ANSWER_TIMEOUT ends the connection (tcp_user_timeout, milliseconds).
@@ -105,10 +103,11 @@ class Limits:
 
 
 def split_limits(url: str) -> tuple[str, Limits]:
-    """``url`` without :data:`LIMIT_PARAMETERS`, and the limits they gave. A value that is not
+    """``url`` without its :data:`~airflow_broker.storage.adapters.PEER_LIMIT_PARAMETERS`
+    (they are not libpq's), and the limits they gave. A value that is not
     a positive number raises :class:`Unreachable` naming it."""
     parsed = make_url(url)
-    given = {k: parsed.query[k] for k in LIMIT_PARAMETERS if k in parsed.query}
+    given = {k: parsed.query[k] for k in PEER_LIMIT_PARAMETERS if k in parsed.query}
     if not given:
         return url, Limits()
     values: dict[str, float] = {}
@@ -167,18 +166,24 @@ _lock = threading.Lock()
 def watch(peer: BrokerContext, limits: Limits) -> None:
     """Keep ``peer``'s connections so a deadline can cut them, and on a direct PostgreSQL
     connection set the server-side timeouts (see the module docstring)."""
-    engine = peer.engine
-    watched = _Watched(limits, weakref.WeakSet())
     with _lock:
-        _watched[engine] = watched
+        _track(peer, _Watched(limits, weakref.WeakSet()), server_side=True)
+
+
+def _track(peer: BrokerContext, watched: _Watched, *, server_side: bool) -> _Watched:
+    """Register ``watched`` for ``peer``'s engine (the caller holds :data:`_lock`): its new
+    connections are kept (and with ``server_side`` given the far session's timeouts), and none
+    is made while it counts as hung."""
+    engine = peer.engine
+    _watched[engine] = watched
     if engine.dialect.name != "postgresql":
-        return
-    _refuse_while_hung(engine, watched)
+        return watched
 
     def made(dbapi_conn: Any, _record: Any) -> None:
         watched.connections.add(dbapi_conn)
         # Known by now: the adapter's own connect handler, which runs first, found out.
-        if getattr(getattr(peer, "adapter", None), "_pooled", None) is False:
+        pooled = getattr(getattr(peer, "adapter", None), "_pooled", None)
+        if server_side and pooled is False:
             seconds = watched.limits.answer_seconds()
             # One round trip per new connection; never behind a pooler (a SET there would stay
             # with a server connection other clients share).
@@ -191,22 +196,19 @@ def watch(peer: BrokerContext, limits: Limits) -> None:
             if not dbapi_conn.autocommit:
                 dbapi_conn.commit()
 
-    # After the adapter's own connect handlers (it finds out about a pooler on the first).
-    event.listen(engine, "connect", made)
-
-
-def _refuse_while_hung(engine: Engine, watched: _Watched) -> None:
-    """No new connection to a peer that counts as hung (a pool's reconnect after its
-    connections were cut would wait out the connect timeout on a server that does not answer):
-    the attempt fails at once, as a refused connection does."""
-
     def connecting(_dialect: Any, _record: Any, _cargs: Any, _cparams: Any) -> None:
+        # No new connection to a peer that counts as hung (a pool's reconnect after its
+        # connections were cut would wait out the connect timeout on a server that does not
+        # answer): the attempt fails at once, as a refused connection does.
         if watched.hung_until > time.monotonic():
             import psycopg
 
             raise psycopg.OperationalError(f"{watched.reason}: not connecting again yet")
 
+    # After the adapter's own connect handlers (it finds out about a pooler on the first).
+    event.listen(engine, "connect", made)
     event.listen(engine, "do_connect", connecting)
+    return watched
 
 
 def limits_of(peer: BrokerContext) -> Limits:
@@ -218,11 +220,9 @@ def _entry(peer: BrokerContext) -> _Watched:
     with _lock:
         watched = _watched.get(peer.engine)
         if watched is None:
-            # A broker the resolver handed over as an object: watched from its first deadline.
-            watched = _watched[peer.engine] = _Watched(Limits(), weakref.WeakSet())
-            if peer.engine.dialect.name == "postgresql":
-                event.listen(peer.engine, "connect", lambda c, _r: watched.connections.add(c))
-                _refuse_while_hung(peer.engine, watched)
+            # A broker the resolver handed over as an object: watched from its first deadline
+            # (its sessions are the caller's: no server-side timeouts set on them).
+            watched = _track(peer, _Watched(Limits(), weakref.WeakSet()), server_side=False)
         return watched
 
 
