@@ -146,6 +146,33 @@ def wait_for_a_run_delivering_to_b(af: AirflowStack, b: Broker, timeout: float =
     raise AssertionError(f"no transmitter run was seen delivering to B within {timeout} s")
 
 
+def freeze_while_a_run_delivers_to_b(
+    af: AirflowStack, b: Broker, cluster: FrozenCluster, attempts: int = 5
+) -> tuple[str, float, datetime]:
+    """Freeze B while a transmitter run is delivering to it; the run, and when B froze
+    (monotonic and wall clock).
+
+    A run ends as soon as a pass finds nothing due, which the stream makes rare but not
+    impossible: the run seen delivering may have ended its last pass just before the freeze
+    (its end recorded a fraction of a second after). Such a run is not the premise, so B
+    thaws and the test waits for another: the run must still be running a second after B
+    froze."""
+    for _ in range(attempts):
+        active = wait_for_a_run_delivering_to_b(af, b)
+        cluster.freeze()
+        frozen_at, frozen_wall = time.monotonic(), datetime.now(UTC)
+        time.sleep(1.0)
+        (run,) = [r for r in af.runs(DAG_ID) if r.run_id == active]
+        end = _moment(run.end_date)
+        if end is None or (end - frozen_wall).total_seconds() >= 1.0:
+            return active, frozen_at, frozen_wall
+        print(f"run {active} ended {(end - frozen_wall).total_seconds():.2f} s after B froze")
+        cluster.thaw()
+    raise AssertionError(
+        f"no run was still delivering to B a second after B froze ({attempts} tries)"
+    )
+
+
 class RunWatch:
     """The transmitter's DAG runs, looked at again and again: how long each lasted (or has
     lasted so far, while it runs) at the longest, and their states."""
@@ -234,9 +261,7 @@ def test_while_b_hangs_the_transmitter_delivers_to_c_and_every_run_ends(
             stream = Stream(a, everyone, first=1)
             stream.start()
             try:
-                active = wait_for_a_run_delivering_to_b(af, b)
-                cluster.freeze()
-                frozen_at, frozen_wall = time.monotonic(), datetime.now(UTC)
+                active, frozen_at, frozen_wall = freeze_while_a_run_delivers_to_b(af, b, cluster)
             except BaseException:
                 stream.stop()
                 raise
