@@ -5,7 +5,8 @@
 - :mod:`.declarations`: ``ApplyDeclarationsOperator`` (the ``airflow-broker apply`` YAML);
 - :mod:`.lease`: ``CompleteLeaseOperator``, ``ReleaseLeaseOperator`` (what
   ``ReceiveOperator(lease_seconds=...)`` leased, for handlers that run for minutes);
-- :mod:`.reader`: ``DrainQueueOperator`` (an activated reader: registers, drains, exits);
+- :mod:`.reader`: ``DrainQueueOperator`` (an activated reader: registers, drains, exits) and
+  ``DrainFamilyOperator`` (the same for the queues a family reader DAG's run was started for);
 - :mod:`.spark`: ``SparkRoutingOperator`` (the Spark routing job through spark-submit);
 - :mod:`.transmit`: ``TransmitOperator`` (a transmitter run: delivers until nothing is due);
 - :mod:`.routing_service`: ``RoutingServiceOperator`` (a data-dependent routing service, activated).
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
         SendOperator,
     )
     from airflow_broker.operators.lease import CompleteLeaseOperator, ReleaseLeaseOperator
-    from airflow_broker.operators.reader import DrainQueueOperator
+    from airflow_broker.operators.reader import DrainFamilyOperator, DrainQueueOperator
     from airflow_broker.operators.routing_service import RoutingServiceOperator
     from airflow_broker.operators.spark import SparkRoutingOperator
     from airflow_broker.operators.transmit import TransmitOperator
@@ -38,6 +39,7 @@ _MODULES = {
     "BeginDialogOperator": "dialog",
     "BrokerOperator": "dialog",
     "CompleteLeaseOperator": "lease",
+    "DrainFamilyOperator": "reader",
     "DrainQueueOperator": "reader",
     "EndConversationOperator": "dialog",
     "ReceiveOperator": "dialog",
@@ -53,6 +55,7 @@ __all__ = [
     "BeginDialogOperator",
     "BrokerOperator",
     "CompleteLeaseOperator",
+    "DrainFamilyOperator",
     "DrainQueueOperator",
     "EndConversationOperator",
     "ReceiveOperator",

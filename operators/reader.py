@@ -23,10 +23,12 @@ queue: poison-message handling).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+import contextlib
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from airflow_broker.activation import Handler, ReaderSlot, drain, release_fires, resolve_handler
+from airflow_broker.errors import InvalidDefinition
 from airflow_broker.hooks.broker import BrokerHook
 from airflow_broker.provider.compat import BaseOperator
 
@@ -115,56 +117,234 @@ class DrainQueueOperator(BaseOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         handler = resolve_handler(self.handler)
-        ti = context.get("ti")
-        label = (
-            f"{ti.dag_id}/{ti.run_id}/{ti.task_id}" if ti is not None else f"task {self.task_id}"
-        )
-        fire_ids = self._fire_ids(context)
         try:
-            broker = self._broker()
-            if len(fire_ids) > 1:
-                # One run for several fires: the readers of the others will never come.
-                release_fires(broker, fire_ids[:-1])
-            with ReaderSlot(
-                broker,
-                self.queue_name,
-                max_readers=self.max_readers,
-                label=label[:256],
-                fire_id=fire_ids[-1] if fire_ids else None,
-            ) as slot:
-                if not slot.admitted:
-                    self.log.info(
-                        "queue %r has enough readers for its messages: nothing to do",
-                        self.queue_name,
-                    )
-                    return {
-                        "admitted": False,
-                        "reader_id": str(slot.reader_id),
-                        "batches": 0,
-                        "messages": 0,
-                        "drained": False,
-                    }
-                report = drain(
-                    broker,
-                    self.queue_name,
-                    handler,
-                    top=self.top,
-                    max_batches=self.max_batches,
-                    wait_seconds=self.wait_seconds,
-                )
-                slot.outcome = "drained" if report.drained else "stopped"
+            broker, fires = self._broker(), self._fire_ids(context)
+            return read_queue(self, broker, self.queue_name, fires, handler, _label(self, context))
         finally:
             hook, self._hook = self._hook, None
             if hook is not None:
                 hook.close()
-        self.log.info(
-            "queue %r: %d message(s) in %d transaction(s)%s",
-            self.queue_name,
-            report.messages,
-            report.batches,
-            "; the queue is empty" if report.drained else "",
+
+
+def _label(op: BaseOperator, context: Context) -> str:
+    """The reader's label in ``broker_activation_reader``: the task instance, or the task."""
+    ti = context.get("ti")
+    label = f"{ti.dag_id}/{ti.run_id}/{ti.task_id}" if ti is not None else f"task {op.task_id}"
+    return label[:256]
+
+
+class _ReaderOptions(Protocol):
+    """What :func:`read_queue` reads from its operator."""
+
+    top: int | None
+    max_batches: int | None
+    wait_seconds: float
+    max_readers: int | None
+
+    @property
+    def log(self) -> Any: ...  # Airflow's logger (its type differs between releases)
+
+
+def read_queue(
+    op: _ReaderOptions,
+    broker: Broker,
+    queue: str,
+    fire_ids: list[str],
+    handler: Handler,
+    label: str,
+) -> dict[str, Any]:
+    """One reader of ``queue``, as ``op`` is set (``top``, ``max_batches``, ``wait_seconds``,
+    ``max_readers``): takes the last of ``fire_ids`` (the monitor's reader rows for this run,
+    oldest first), releases the others (``merged``), registers, drains, finishes. Returns the
+    reader's result (``admitted``, ``reader_id``, ``batches``, ``messages``, ``drained``)."""
+    if len(fire_ids) > 1:
+        # One run for several fires: the readers of the others will never come.
+        release_fires(broker, fire_ids[:-1])
+    with ReaderSlot(
+        broker,
+        queue,
+        max_readers=op.max_readers,
+        label=label,
+        fire_id=fire_ids[-1] if fire_ids else None,
+    ) as slot:
+        if not slot.admitted:
+            op.log.info("queue %r has enough readers for its messages: nothing to do", queue)
+            return {
+                "admitted": False,
+                "reader_id": str(slot.reader_id),
+                "batches": 0,
+                "messages": 0,
+                "drained": False,
+            }
+        report = drain(
+            broker,
+            queue,
+            handler,
+            top=op.top,
+            max_batches=op.max_batches,
+            wait_seconds=op.wait_seconds,
         )
-        return {"admitted": True, "reader_id": str(slot.reader_id), **report.to_dict()}
+        slot.outcome = "drained" if report.drained else "stopped"
+    op.log.info(
+        "queue %r: %d message(s) in %d transaction(s)%s",
+        queue,
+        report.messages,
+        report.batches,
+        "; the queue is empty" if report.drained else "",
+    )
+    return {"admitted": True, "reader_id": str(slot.reader_id), **report.to_dict()}
 
 
-__all__ = ["DrainQueueOperator"]
+class DrainFamilyOperator(BaseOperator):
+    """The body of a family reader DAG's run (:func:`~airflow_broker.provider.readers.
+    queue_family_dag`): one DAG scheduled on the assets of several queues, whose run reads each
+    queue named by the asset events that started it, as :class:`DrainQueueOperator` reads one.
+
+    Each asset event of a ``QueueActivationTrigger`` names its queue and its fire (the monitor's
+    reader row); Airflow merges the events that arrive before a run starts into that run, so a
+    run may name several queues, and a queue several times. For each queue named (in the order
+    of its first event) the task releases all but the last of that queue's fires (``merged``),
+    registers as a reader of the queue in the last one's place (refused beyond ``max_readers``,
+    as ever), drains it and finishes, then goes on to the next queue. A queue whose handler
+    raised does not stop the others: the task fails after them, with the first error (its note
+    names every queue that failed). A run started without asset events (triggered by hand)
+    reads every queue of the family.
+
+    :param queues: the family's broker queues.
+    :param handler: ``handler(tx, messages)``, a callable or ``"package.module:function"``,
+        the same for every queue.
+    :param top, max_batches, wait_seconds, max_readers, broker_conn_id, executor_queue: as
+        :class:`DrainQueueOperator`'s, for each queue (``max_readers`` per queue).
+    :param asset_names: the asset name of each queue, to find the queue of an asset event that
+        carries no trigger payload (one made by hand); default ``broker_queue_<queue>``.
+
+    Returns ``{"queues": {queue: {"admitted", "reader_id", "batches", "messages",
+    "drained"}}, "batches", "messages"}`` (the sums).
+    """
+
+    template_fields: Sequence[str] = ("broker_conn_id",)
+    ui_color = "#d8f0e0"
+
+    def __init__(
+        self,
+        *,
+        queues: Sequence[str],
+        handler: Handler | str,
+        top: int | None = None,
+        max_batches: int | None = None,
+        wait_seconds: float = 0,
+        max_readers: int | None = None,
+        broker_conn_id: str = BrokerHook.default_conn_name,
+        executor_queue: str | None = None,
+        asset_names: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if executor_queue is not None:
+            kwargs["queue"] = executor_queue
+        super().__init__(**kwargs)
+        self.queues = check_queues(f"task {self.task_id!r}", queues)
+        self.handler = handler
+        self.top = top
+        self.max_batches = max_batches
+        self.wait_seconds = wait_seconds
+        self.max_readers = max_readers
+        self.broker_conn_id = broker_conn_id
+        self.asset_names = dict(asset_names or {})
+        self._hook: BrokerHook | None = None
+
+    def _broker(self) -> Broker:
+        if self._hook is None:
+            self._hook = BrokerHook(broker_conn_id=self.broker_conn_id)
+        return self._hook.get_broker()
+
+    def plan(self, context: Context) -> dict[str, list[str]]:
+        """The queues this run reads, each with its fires (oldest first): those named by the
+        asset events that started it, in the order of their first event; every queue of the
+        family, with no fire, when no asset event started it."""
+        family = set(self.queues)
+        by_asset = {f"broker_queue_{q}": q for q in self.queues}
+        by_asset.update({name: q for q, name in self.asset_names.items() if q in family})
+        seen: list[tuple[Any, int, str, str | None]] = []
+        events = context.get("triggering_asset_events") or {}
+        for key, asset_events in events.items():
+            for event in asset_events:
+                payload = (getattr(event, "extra", None) or {}).get("payload") or {}
+                queue = payload.get("queue")
+                if queue is None:  # an event made by hand: the queue of its asset
+                    asset = getattr(event, "asset", None) or key
+                    queue = by_asset.get(str(getattr(asset, "name", asset)))
+                if queue not in family:
+                    self.log.warning(
+                        "asset event %s names no queue of this family (%s): ignored",
+                        getattr(event, "id", "?"),
+                        queue,
+                    )
+                    continue
+                fire = payload.get("fire_id")
+                stamp = getattr(event, "timestamp", None)
+                seen.append((stamp, len(seen), queue, str(fire) if fire else None))
+        if not seen:
+            return {q: [] for q in self.queues}
+        with contextlib.suppress(TypeError):  # timestamps missing or not comparable
+            seen.sort(key=lambda s: (s[0], s[1]))
+        plan: dict[str, list[str]] = {}
+        for _stamp, _n, queue, fire in seen:
+            fires = plan.setdefault(queue, [])
+            if fire is not None and fire not in fires:
+                fires.append(fire)
+        return plan
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        handler = resolve_handler(self.handler)
+        plan = self.plan(context)
+        label = _label(self, context)
+        self.log.info("reading %d queue(s): %s", len(plan), ", ".join(list(plan)[:20]))
+        results: dict[str, dict[str, Any]] = {}
+        failed: dict[str, BaseException] = {}
+        try:
+            broker = self._broker()
+            for queue, fires in plan.items():
+                try:
+                    results[queue] = read_queue(self, broker, queue, fires, handler, label)
+                except Exception as exc:  # the other queues are still read
+                    self.log.exception("queue %r: the reader failed", queue)
+                    failed[queue] = exc
+        finally:
+            hook, self._hook = self._hook, None
+            if hook is not None:
+                hook.close()
+        if failed:
+            first = next(iter(failed.values()))
+            first.add_note(
+                f"{type(self).__name__} {self.task_id!r}: {len(failed)} of {len(plan)} "
+                f"queue(s) failed: {', '.join(failed)}"
+            )
+            raise first
+        return {
+            "queues": results,
+            "batches": sum(r["batches"] for r in results.values()),
+            "messages": sum(r["messages"] for r in results.values()),
+        }
+
+
+def check_queues(owner: str, queues: Any) -> list[str]:
+    """``queues`` as a list of distinct, non-empty queue names; else :class:`InvalidDefinition`
+    naming ``owner`` (a DAG or a task) and what is wrong."""
+    if isinstance(queues, str | bytes) or not isinstance(queues, Iterable):
+        kind = type(queues).__name__
+        raise InvalidDefinition(
+            f"{owner}: queues must be a list of queue names, not {kind} {queues!r}"
+        )
+    names = list(queues)
+    if not names:
+        raise InvalidDefinition(f"{owner}: queues is empty: name at least one queue")
+    bad = [q for q in names if not isinstance(q, str) or not q.strip()]
+    if bad:
+        raise InvalidDefinition(f"{owner}: queue names must be non-empty strings, not {bad!r}")
+    twice = sorted({q for q in names if names.count(q) > 1})
+    if twice:
+        raise InvalidDefinition(f"{owner}: queue(s) named more than once: {', '.join(twice)}")
+    return names
+
+
+__all__ = ["DrainFamilyOperator", "DrainQueueOperator", "read_queue"]
