@@ -37,7 +37,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import exists, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
@@ -70,16 +70,21 @@ class Backlog:
     """What waits to leave this broker database.
 
     :ivar due: transmission-queue rows whose next attempt is due now (and, on a forwarder,
-        messages in transit that are due).
+        messages in transit that are due), plus one for each cause of waiting that is due (a
+        pass tries one of its dialogs for all: :mod:`airflow_broker.transport.causes`). Rows
+        that wait for a cause whose next attempt is later are not due, however many.
     :ivar waiting: every transmission-queue row, due or not.
-    :ivar next_attempt_at: the earliest next attempt of a row not yet due (None: none).
+    :ivar next_attempt_at: the earliest next attempt of a row or a cause not yet due (None:
+        none).
     :ivar oldest_enqueued_at: when the longest-waiting row was queued (None: empty).
+    :ivar causes: causes of waiting that hold rows (due or not).
     """
 
     due: int = 0
     waiting: int = 0
     next_attempt_at: datetime | None = None
     oldest_enqueued_at: datetime | None = None
+    causes: int = 0
 
 
 def backlog(broker: BrokerContext, now: datetime | None = None) -> Backlog:
@@ -98,6 +103,21 @@ def backlog(broker: BrokerContext, now: datetime | None = None) -> Backlog:
         ).one()
         due = int(row[0])
         next_at = row[2]
+        # Causes of waiting (one per destination and reason): each due one is one attempt,
+        # whatever the number of rows that wait for it.
+        w = s.transmission_wait
+        due_causes = w.c.next_attempt_at <= now
+        causes_row = conn.execute(
+            select(
+                func.count().filter(due_causes),
+                func.min(w.c.next_attempt_at).filter(~due_causes),
+                func.count(),
+            ).where(exists().where(t.c.wait_id == w.c.id))
+        ).one()
+        due += int(causes_row[0])
+        if causes_row[1] is not None:
+            next_at = causes_row[1] if next_at is None else min(next_at, causes_row[1])
+        causes = int(causes_row[2])
         if broker.dialect == "postgresql":
             tr = s.transit
             held = conn.execute(
@@ -113,6 +133,7 @@ def backlog(broker: BrokerContext, now: datetime | None = None) -> Backlog:
         waiting=int(row[1]),
         next_attempt_at=aware(next_at),
         oldest_enqueued_at=aware(row[3]),
+        causes=causes,
     )
 
 

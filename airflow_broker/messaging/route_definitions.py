@@ -14,6 +14,7 @@ from airflow_broker.errors import InvalidDefinition, UnknownObject
 from airflow_broker.messaging.arguments import UNSET, as_name, as_uuid
 from airflow_broker.messaging.definitions_core import DefinitionsCore
 from airflow_broker.storage import schema as s
+from airflow_broker.storage import waits
 from airflow_broker.storage.clock import utcnow
 
 
@@ -48,6 +49,8 @@ class RouteDefinitions(DefinitionsCore):
                 created_at=utcnow(),
             )
         )
+        # Messages that waited for a route to this service go now (one cause, one wait).
+        waits.wake_for_route(self._conn, service_name, (address, mirror_address))
 
     def alter_route(
         self,
@@ -90,6 +93,13 @@ class RouteDefinitions(DefinitionsCore):
             values["expires_at"] = route_expiry(name, lifetime_seconds)
         if values:
             self._conn.execute(update(s.route).where(s.route.c.name == name).values(**values))
+            waits.wake_for_route(
+                self._conn,
+                route["service_name"],
+                (row.address, row.mirror_address, route["address"], route["mirror_address"]),
+            )
+            if row.service_name != route["service_name"]:
+                waits.wake_for_route(self._conn, row.service_name, ())
 
     def drop_route(self, name: str) -> None:
         self._require(s.route, s.route.c.name, name, "route")

@@ -10,6 +10,7 @@ from datetime import datetime
 from airflow_broker.messaging.definitions_core import DefinitionsCore
 from airflow_broker.security import certificates as store
 from airflow_broker.security.certificates import CertificateRow
+from airflow_broker.storage import waits
 
 
 class SecurityDefinitions(DefinitionsCore):
@@ -28,9 +29,11 @@ class SecurityDefinitions(DefinitionsCore):
         """CREATE CERTIFICATE: a key pair and a self-signed certificate for local service
         ``owner``, its private key sealed under the master key (needed: without it nothing is
         written). ``subject`` defaults to the owner, ``expires_at`` to a year from now."""
-        return store.create_certificate(
+        row = store.create_certificate(
             self._conn, name, owner=owner, subject=subject, expires_at=expires_at
         )
+        waits.wake_for_security(self._conn)  # dialogs that waited for dialog security try again
+        return row
 
     def import_certificate(
         self,
@@ -42,9 +45,11 @@ class SecurityDefinitions(DefinitionsCore):
     ) -> CertificateRow:
         """CREATE CERTIFICATE FROM a PEM, speaking for service ``owner``; with its private key
         (which must match; sealed under the master key) for a local service."""
-        return store.import_certificate(
+        row = store.import_certificate(
             self._conn, name, pem, owner=owner, private_key_pem=private_key_pem
         )
+        waits.wake_for_security(self._conn)
+        return row
 
     def drop_certificate(self, name: str) -> None:
         """DROP CERTIFICATE; refused while a remote service binding names it."""
@@ -59,6 +64,7 @@ class SecurityDefinitions(DefinitionsCore):
         store.create_remote_service_binding(
             self._conn, name, service=service, certificate=certificate, anonymous=anonymous
         )
+        waits.wake_for_security(self._conn, service)
 
     def alter_remote_service_binding(
         self, name: str, *, certificate: str | None = None, anonymous: bool | None = None
@@ -67,6 +73,7 @@ class SecurityDefinitions(DefinitionsCore):
         store.alter_remote_service_binding(
             self._conn, name, certificate=certificate, anonymous=anonymous
         )
+        waits.wake_for_security(self._conn)
 
     def drop_remote_service_binding(self, name: str) -> None:
         """DROP REMOTE SERVICE BINDING."""

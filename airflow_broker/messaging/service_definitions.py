@@ -27,6 +27,7 @@ from airflow_broker.messaging.definitions_core import DefinitionsCore
 from airflow_broker.messaging.ending import Ending
 from airflow_broker.security import permissions
 from airflow_broker.storage import schema as s
+from airflow_broker.storage import waits
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.endpoint_locks import exclude_writers
 
@@ -55,6 +56,8 @@ class ServiceDefinitions(DefinitionsCore):
                 insert(s.service_contract),
                 [{"service_name": name, "contract_name": c} for c in wanted],
             )
+        # Messages that waited for a route to it: hosted here now, they go (one cause, one wait).
+        waits.wake_for_route(self._conn, name, ())
 
     def alter_service(
         self,

@@ -20,14 +20,22 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from airflow_broker import metrics, routing
-from airflow_broker.messaging.delivery import RETRY_BASE, backoff
+from airflow_broker.messaging.delivery import RETRY_BASE
 from airflow_broker.messaging.duework import DueWork
 from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.storage.identity import copy_refusal
-from airflow_broker.transport import deadlines, direct, inbox, lanes, pipeline, route_requests
+from airflow_broker.transport import (
+    causes,
+    deadlines,
+    direct,
+    inbox,
+    lanes,
+    pipeline,
+    route_requests,
+)
 from airflow_broker.transport.arrival import fail_endpoint
 from airflow_broker.transport.batch_rows import BATCH_COLUMNS
 from airflow_broker.transport.direct import Conversation
@@ -129,6 +137,9 @@ class Transport:
         else:
             inbox.accept_inbox(self, counts)  # what peers that may only deliver pushed here
             self._collect_answers(counts)
+        if not retry_now:
+            # One dialog of each cause of waiting that falls due, tried for all (.causes).
+            causes.probe_due(self.b, utcnow())
         if self.b.dialect == "postgresql" and self.IN_FLIGHT > 1:
             pipeline.deliver_batches(self, budget, retry_now, counts)
         else:
@@ -238,6 +249,7 @@ class Transport:
                 t.c.to_service_name.in_(select(s.remote_service_binding.c.service)).label(
                     "bound_service"
                 ),
+                t.c.wait_id,  # the cause it waited for (.causes), or None
             )
             .join(e, e.c.conversation_handle == t.c.conversation_handle)
             .outerjoin(k, k.c.conversation_handle == t.c.conversation_handle)
@@ -430,8 +442,10 @@ class Transport:
                     conn,
                     s.transmission_queue,
                     "id",
-                    [{"id": r.id, "transmission_status": why} for r, why in waiting],
+                    [{"id": r.id, "transmission_status": why} for r, why, _ in waiting],
                 )
+                if counts["acknowledged"] or sent.taken:
+                    causes.answered(self.b, conn, address)  # what waits for it goes now
         except Exception:
             log.warning("recording what %s answered late failed", address, exc_info=True)
             return
@@ -486,29 +500,18 @@ class Transport:
             went = work.flush_conversation(handle, now)
             counts["delivered"] += went
             counts["delayed"] += len(plan["rows"][handle]) - went
-        waiting: list[tuple[Any, str]] = []
+        # What waits, with why and the cause it shares with others (None: its own backoff).
+        waiting: list[tuple[Any, str, causes.Key | None]] = []
         for handle, reason in plan["delayed"].items():
-            waiting += [(r, reason) for r in plan["rows"][handle]]
+            key = plan["causes"].get(handle)
+            waiting += [(r, reason, key) for r in plan["rows"][handle]]
         direct.record(conn, plan["rows"], plan["taken"], counts)
         answers, late, went_waiting, inboxed = outcomes(results, plan, counts)
-        waiting += went_waiting + plan["waiting"]
+        waiting += [(r, why, causes.of_push(plan, r, kind, why)) for r, why, kind in went_waiting]
+        waiting += [(r, why, causes.of_address(plan, r)) for r, why in plan["waiting"]]
         self._apply_answers(conn, me, answers, counts)
         self._late_notes(conn, late)
-        bulk.update_rows(
-            conn,
-            t,
-            "id",
-            [
-                {
-                    "id": r.id,
-                    "attempts": r.attempts + 1,
-                    "transmission_status": reason,
-                    "next_attempt_at": now
-                    + (inbox.inbox_retry if r.id in inboxed else backoff)(r.attempts + 1),
-                }
-                for r, reason in waiting
-            ],
-        )
+        causes.record(conn, self.b, plan, waiting, inboxed, now)
         counts["delayed"] += len(waiting)
         if waiting:
             self.b.note_due(now + RETRY_BASE)

@@ -9,6 +9,9 @@ from typing import Any
 from airflow_broker.transport import direct, inbox
 from airflow_broker.transport.packets import _UNREACHABLE, HELD, Outcome, Packet
 
+#: why a row a push left waiting waits: no far broker took it (else HELD or DROPPED, its note)
+UNREACHABLE = "unreachable"
+
 
 @dataclass(slots=True)
 class Sent:
@@ -26,18 +29,20 @@ def outcomes(
     results: list[tuple[list[Packet], Outcome | None, str]],
     plan: dict[str, Any],
     counts: dict[str, int],
-) -> tuple[list[Packet], list[inbox.Note], list[tuple[Any, str]], set[int]]:
+) -> tuple[list[Packet], list[inbox.Note], list[tuple[Any, str, str]], set[int]]:
     """The pushes' outcomes: the answers for this broker and its relays, notes on earlier
-    batches, the rows that wait (with why), and which of those went through an inbox."""
+    batches, the rows that wait (with why, and :data:`UNREACHABLE`, HELD or DROPPED), and which
+    of those went through an inbox."""
     me = plan["me"]
     answers: list[Packet] = []
     late: list[inbox.Note] = []
-    waiting: list[tuple[Any, str]] = []
+    waiting: list[tuple[Any, str, str]] = []
     inboxed: set[int] = set()
     for batch, outcome, failure in results:
         if outcome is None:
             counts[_UNREACHABLE] += len(batch)  # the broker.transport_failed metric
-            waiting += [(plan["packet_rows"][(p.conversation_id, p.seq)], failure) for p in batch]
+            rows = plan["packet_rows"]
+            waiting += [(rows[(p.conversation_id, p.seq)], failure, UNREACHABLE) for p in batch]
             continue
         answered = {
             (a.conversation_id, a.seq) for a in outcome.answers if a.to_broker_instance == me
@@ -45,16 +50,16 @@ def outcomes(
         for j, p in enumerate(batch):
             if (p.conversation_id, p.seq) in answered:
                 continue
-            _kind, reason = outcome.notes.get(
+            kind, reason = outcome.notes.get(
                 j, (HELD, "sent; waiting for the final destination's acknowledgment")
             )
             row = plan["packet_rows"][(p.conversation_id, p.seq)]
             if outcome.inbox:
                 inboxed.add(row.id)
-            waiting.append((row, reason))
+            waiting.append((row, reason, kind))
         answers += outcome.answers
         late += outcome.late_notes
     return answers, late, waiting, inboxed
 
 
-__all__ = ["Sent", "outcomes"]
+__all__ = ["UNREACHABLE", "Sent", "outcomes"]

@@ -19,6 +19,7 @@ from airflow_broker.security import dialogs
 from airflow_broker.security.crypto import SecurityFailure
 from airflow_broker.storage.clock import aware
 from airflow_broker.storage.context import BrokerContext
+from airflow_broker.transport import causes
 from airflow_broker.transport.batch_rows import packet_columns, sealed
 from airflow_broker.transport.direct import Conversation
 from airflow_broker.transport.packets import MESSAGE, Packet
@@ -58,6 +59,10 @@ def plan_batch(
         by_handle[r.conversation_handle].append(r)
     local: list[uuid.UUID] = []
     delayed: dict[uuid.UUID, str] = {}
+    #: the cause each delayed conversation waits for (one wait per cause: .causes)
+    cause_of: dict[uuid.UUID, causes.Key] = {}
+    #: where each remote conversation goes (its first address)
+    dest: dict[uuid.UUID, str] = {}
     #: dialog security: conversations that stop (a certificate expired), rows sealed now
     stopped: dict[uuid.UUID, tuple[int, str]] = {}
     seal_now: list[dict[str, Any]] = []
@@ -103,10 +108,13 @@ def plan_batch(
             if decision.step == 4:
                 missing.add(service)
             delayed[handle] = decision.reason + " (the conversation is delayed and retried)"
+            cause_of[handle] = causes.routing(service, asked)
             continue
         if refused is not None:
             delayed[handle] = refused
+            cause_of[handle] = causes.COPY
             continue
+        dest[handle] = decision.addresses[0]
         remote_handles.append((handle, decision.addresses, asked or decision.broker_instance))
     firsts = [by_handle[h][0] for h, _, _ in remote_handles]
     seals = dialogs.for_sending_many(
@@ -126,6 +134,7 @@ def plan_batch(
         sealing = seals[handle]
         if isinstance(sealing, dialogs.Wait):
             delayed[handle] = sealing.reason
+            cause_of[handle] = causes.security(msgs[0].to_service_name, msgs[0].from_service_name)
             continue
         if isinstance(sealing, SecurityFailure):
             stopped[handle] = (sealing.code, sealing.reason)
@@ -160,6 +169,8 @@ def plan_batch(
         "rows": by_handle,
         "local": local,
         "delayed": delayed,
+        "causes": cause_of,
+        "dest": dest,
         "remote": remote,
         "direct": direct,
         "sealings": sealings,

@@ -22,6 +22,7 @@ from airflow_broker.storage.schema.security import (
     permission,
     remote_service_binding,
 )
+from airflow_broker.storage.schema.waits import transmission_wait
 
 
 def exists_on(obj: Any, dialect: str) -> bool:
@@ -48,4 +49,5 @@ __all__ = [
     "metadata",
     "permission",
     "remote_service_binding",
+    "transmission_wait",
 ]
