@@ -75,8 +75,8 @@ test-pgbouncer: install-dev postgres pgbouncer
 # every package pinned by tests/support/oldest-airflow.txt, rebuilt when the pins change.
 OLDEST := .venv-oldest
 OLDEST_TESTS := tests/test_e2e_activation.py tests/test_e2e_transmitter.py \
-	tests/test_e2e_hung_peer.py tests/test_plugin_e2e.py tests/test_dbmanager.py \
-	tests/test_airflow_versions.py
+	tests/test_e2e_hung_peer.py tests/test_e2e_breadth.py tests/test_plugin_e2e.py \
+	tests/test_dbmanager.py tests/test_airflow_versions.py
 
 oldest: install-dev
 	$(BIN)/python tests/support/ensure_oldest_airflow.py
