@@ -122,23 +122,30 @@ def test_watch_starts_no_run_while_nothing_can_leave(network: Callable[..., tp.N
     fire, seen = tm.watch(a)
     assert fire is not None and seen.due == 100  # new messages: a run routes them
     tm.transmit(a)
+    assert attempts(a) == 100
     for _ in range(5):
         fire, seen = tm.watch(a)
-        assert fire is None
-        assert seen.due == 0 and seen.waiting == 100 and seen.causes == 1
-        # The watcher wakes at the cause's next attempt, not at any message's.
+        assert seen.waiting == 100 and seen.causes == 1
+        # The watcher wakes at the cause's next attempt (not at any message's)...
         assert seen.next_attempt_at is not None
         assert seen.next_attempt_at <= utcnow() + timedelta(seconds=1.5)
+        if seen.next_attempt_at > utcnow():
+            # ... and starts nothing before it, however many messages wait.
+            assert fire is None and seen.due == 0
+        else:  # (a slow machine got there already: it is one attempt)
+            assert fire is not None and seen.due == 1
+            break
         clock.advance(0.1)
-    clock.advance(1.5)
-    fire, seen = tm.watch(a)
-    assert fire is not None and seen.due == 1  # the cause: one attempt, for all of them
+    else:
+        clock.advance(1.5)
+        fire, seen = tm.watch(a)
+        assert fire is not None and seen.due == 1  # the cause: one attempt, for all of them
     report = tm.transmit(a)
     assert report.delivery.delivered == 0
     assert attempts(a) == 100 + 2  # one dialog (its two messages) was tried again
     fire, seen = tm.watch(a)
-    assert fire is None and seen.next_attempt_at is not None
-    assert seen.next_attempt_at > utcnow() + timedelta(seconds=1.5)  # backed off: 2 s
+    assert fire is None and seen.due == 0 and seen.next_attempt_at is not None
+    assert seen.next_attempt_at > utcnow()  # backed off: 2 s from the attempt
 
 
 def test_creating_the_route_sends_them_all_at_once(network: Callable[..., tp.Net]) -> None:

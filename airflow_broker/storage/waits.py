@@ -56,9 +56,18 @@ def release(
     their backoff; rows another transaction holds (a delivery pass) are left to it. Returns how
     many rows were released."""
     ids = sorted(set(wait_ids))
+    now = utcnow() if now is None else now
+    released = release_rows(conn, dialect, ids, now)
+    reset(conn, dialect, ids, now)
+    return released
+
+
+def release_rows(conn: Connection, dialect: str, wait_ids: Iterable[int], now: datetime) -> int:
+    """The rows of these causes are due ``now``, each on its own again (those another
+    transaction holds are skipped); the causes' rows are not touched. Returns how many."""
+    ids = sorted(set(wait_ids))
     if not ids:
         return 0
-    now = utcnow() if now is None else now
     rows = select(_t.c.id).where(bulk.any_of(_t.c.wait_id, ids, dialect))
     if dialect == "postgresql":
         rows = rows.with_for_update(skip_locked=True)
@@ -67,10 +76,18 @@ def release(
         .where(_t.c.id.in_(rows.scalar_subquery()))
         .values(wait_id=None, next_attempt_at=now)
     ).rowcount
-    conn.execute(
-        update(_w).where(bulk.any_of(_w.c.id, ids, dialect)).values(attempts=0, next_attempt_at=now)
-    )
     return int(released or 0)
+
+
+def reset(conn: Connection, dialect: str, wait_ids: Iterable[int], now: datetime) -> None:
+    """These causes forget their backoff: due ``now`` (ignored while no row waits for one)."""
+    ids = sorted(set(wait_ids))
+    if ids:
+        conn.execute(
+            update(_w)
+            .where(bulk.any_of(_w.c.id, ids, dialect))
+            .values(attempts=0, next_attempt_at=now)
+        )
 
 
 def wake(
@@ -125,6 +142,8 @@ __all__ = [
     "ROUTE",
     "SECURITY",
     "release",
+    "release_rows",
+    "reset",
     "wake",
     "wake_for_route",
     "wake_for_security",

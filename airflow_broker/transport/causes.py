@@ -104,10 +104,13 @@ def record(
     for r, reason, key in waiting:
         if key is not None:
             by_key[key].append((r, reason))
+    # The causes' ids (a new one created), then their rows, then the causes' own rows, in one
+    # order for every pass (the lock order of airflow_broker.storage.waits).
+    ids = {key: _wait_id(conn, key, by_key[key][-1][1], now) for key in sorted(by_key)}
     parked_under: dict[int, int] = {}
-    for key in sorted(by_key):  # one order for every pass: no two wait for each other
+    reasons: dict[int, str] = {}
+    for key, wait_id in ids.items():
         rows = by_key[key]
-        wait_id = _wait_id(conn, key, rows[-1][1], now)
         bulk.update_rows(
             conn,
             t,
@@ -123,8 +126,8 @@ def record(
                 for r, reason in rows
             ],
         )
-        _attempted(conn, wait_id, rows[-1][1], now)
         parked_under.update((r.id, wait_id) for r, _ in rows)
+        reasons[wait_id] = rows[-1][1]
     # Rows that waited for a cause and were tried (the cause's probe, or all of them on a
     # retry_now pass): a cause that no longer holds one of them is cured, or has changed.
     cured = {
@@ -133,7 +136,12 @@ def record(
         for r in rows
         if r.wait_id is not None and parked_under.get(r.id) != r.wait_id
     }
-    released = waits.release(conn, b.dialect, cured, now) if cured else 0
+    released = waits.release_rows(conn, b.dialect, cured, now)
+    for wait_id in sorted(cured | set(reasons)):
+        if wait_id in cured:
+            waits.reset(conn, b.dialect, [wait_id], now)
+        else:
+            _attempted(conn, wait_id, reasons[wait_id], now)
     if released:
         b.note_due(now)
     return len(parked_under), released
