@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from airflow_broker.activation import Handler, ReaderSlot, drain, release_fires, resolve_handler
@@ -215,6 +216,9 @@ class DrainFamilyOperator(BaseOperator):
         the same for every queue.
     :param top, max_batches, wait_seconds, max_readers, broker_conn_id, executor_queue: as
         :class:`DrainQueueOperator`'s, for each queue (``max_readers`` per queue).
+    :param parallel: how many of the run's queues are read at once, each in a thread of its own
+        with a connection of its own (1: one after the other). The handler is then called from
+        several threads at once (each with its own transaction).
     :param asset_names: the asset name of each queue, to find the queue of an asset event that
         carries no trigger payload (one made by hand); default ``broker_queue_<queue>``.
 
@@ -237,12 +241,18 @@ class DrainFamilyOperator(BaseOperator):
         broker_conn_id: str = BrokerHook.default_conn_name,
         executor_queue: str | None = None,
         asset_names: dict[str, str] | None = None,
+        parallel: int = 1,
         **kwargs: Any,
     ) -> None:
         if executor_queue is not None:
             kwargs["queue"] = executor_queue
         super().__init__(**kwargs)
         self.queues = check_queues(f"task {self.task_id!r}", queues)
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise InvalidDefinition(
+                f"task {self.task_id!r}: parallel must be a whole number >= 1, not {parallel!r}"
+            )
+        self.parallel = parallel
         self.handler = handler
         self.top = top
         self.max_batches = max_batches
@@ -303,17 +313,28 @@ class DrainFamilyOperator(BaseOperator):
         failed: dict[str, BaseException] = {}
         try:
             broker = self._broker()
-            for queue, fires in plan.items():
+
+            def read(queue: str) -> None:
                 try:
-                    results[queue] = read_queue(self, broker, queue, fires, handler, label)
+                    results[queue] = read_queue(self, broker, queue, plan[queue], handler, label)
                 except Exception as exc:  # the other queues are still read
                     self.log.exception("queue %r: the reader failed", queue)
                     failed[queue] = exc
+
+            if self.parallel == 1 or len(plan) == 1:
+                for queue in plan:
+                    read(queue)
+            else:
+                with ThreadPoolExecutor(
+                    min(self.parallel, len(plan)), thread_name_prefix="broker-family"
+                ) as pool:
+                    list(pool.map(read, plan))
         finally:
             hook, self._hook = self._hook, None
             if hook is not None:
                 hook.close()
         if failed:
+            failed = {q: failed[q] for q in plan if q in failed}  # in the plan's order
             first = next(iter(failed.values()))
             first.add_note(
                 f"{type(self).__name__} {self.task_id!r}: {len(failed)} of {len(plan)} "
@@ -321,7 +342,7 @@ class DrainFamilyOperator(BaseOperator):
             )
             raise first
         return {
-            "queues": results,
+            "queues": {q: results[q] for q in plan if q in results},
             "batches": sum(r["batches"] for r in results.values()),
             "messages": sum(r["messages"] for r in results.values()),
         }

@@ -321,3 +321,18 @@ def test_a_failing_queue_does_not_stop_the_others_and_fails_the_task(broker: Bro
 def test_the_operator_refuses_bad_queues_naming_the_task() -> None:
     with pytest.raises(InvalidDefinition, match=r"task 'drain': queue.*more than once: x"):
         DrainFamilyOperator(task_id="drain", queues=["x", "x"], handler=HANDLER)
+
+
+def test_a_run_reads_its_queues_in_parallel_when_asked(broker: Broker) -> None:
+    events = []
+    for n, q in enumerate(QUEUES):
+        send(broker, q, f"{q[-1]}1", f"{q[-1]}2", dialogs=2)
+        events.append(event(fire(broker, q).payload(), f"broker_queue_{q}", at=n))
+    result = operator(parallel=3).execute(context(*events))
+    assert list(result["queues"]) == QUEUES  # in the events' order, whichever ended first
+    assert result["messages"] == 12
+    assert len(seen(broker)) == 12
+    for q in QUEUES:
+        assert [r.outcome for r in readers(broker, q)] == ["drained"]
+    with pytest.raises(InvalidDefinition, match="parallel must be a whole number >= 1, not 0"):
+        operator(parallel=0)

@@ -85,7 +85,7 @@ def queue_family_dag(
     :param trigger_kwargs: more arguments of each queue's ``QueueActivationTrigger``
         (``mode``, ``min_depth``, ``monitor_key``).
     :param operator_kwargs: more arguments of the run's ``DrainFamilyOperator`` (``top``,
-        ``max_batches``, ``wait_seconds``, ``executor_queue``, ``retries``...).
+        ``max_batches``, ``wait_seconds``, ``parallel``, ``executor_queue``, ``retries``...).
     :param dag_kwargs: the DAG's (``max_active_runs``, ``max_active_tasks``, ``tags``,
         ``start_date``, ``default_args``...).
 

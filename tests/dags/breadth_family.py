@@ -40,6 +40,8 @@ queue_family_dag(
     handler="breadth_family:record",
     max_readers=1,
     # Four runs at once, not the default 16: on the test's two cores every task process that
-    # starts takes CPU from the triggerer; events that arrive meanwhile ride in the next run.
+    # starts takes CPU from the triggerer; events that arrive meanwhile ride in the next run,
+    # which reads four of its queues at once.
     max_active_runs=4,
+    operator_kwargs={"parallel": 4},
 )
