@@ -76,6 +76,38 @@ def hosted_services(broker: BrokerContext, conn: Connection) -> dict[str, Hosted
     return broker.cached_definition("hosted_services", load)
 
 
+def local_service_queue(broker: BrokerContext, conn: Connection, name: str) -> int | None:
+    """The queue id of local service ``name``, or None if there is no such service (cached
+    briefly when found; a name not found is read again each time, so a service created a
+    moment ago in another process is found)."""
+
+    def load() -> int | None:
+        queue_id = conn.execute(
+            select(s.service.c.queue_id).where(s.service.c.name == name)
+        ).scalar()
+        return None if queue_id is None else int(queue_id)
+
+    found: int | None = broker.peek_definition(("service_queue", name))
+    if found is None:
+        found = load()
+        if found is not None:
+            broker.cached_definition(("service_queue", name), lambda: found)
+    return found
+
+
+def contract_exists(broker: BrokerContext, conn: Connection, name: str) -> bool:
+    """Whether contract ``name`` exists (the names cached briefly; read on ``conn`` when the
+    cache does not have it)."""
+
+    def load() -> frozenset[str]:
+        return frozenset(conn.execute(select(s.contract.c.name)).scalars())
+
+    if name in broker.cached_definition("contracts", load):
+        return True
+    found = conn.execute(select(s.contract.c.name).where(s.contract.c.name == name)).first()
+    return found is not None
+
+
 def priority_for(
     broker: BrokerContext, conn: Connection, contract: str, local: str, remote: str
 ) -> int:

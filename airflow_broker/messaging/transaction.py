@@ -52,7 +52,12 @@ from airflow_broker.messaging.fast_send import (
     on_fast_path,
     send_fast,
 )
-from airflow_broker.messaging.lookups import contract_rule, priority_for
+from airflow_broker.messaging.lookups import (
+    contract_exists,
+    contract_rule,
+    local_service_queue,
+    priority_for,
+)
 from airflow_broker.messaging.objects import (
     ConversationEndpoint,
 )
@@ -129,15 +134,13 @@ class Transaction(Receiving, Ending):
             )
         if broker_instance is not None:
             broker_instance = str(as_uuid(broker_instance, "broker_instance"))
-        svc = self._execute(
-            select(s.service.c.queue_id).where(s.service.c.name == from_service)
-        ).first()
-        if svc is None:
+        self._check_open()
+        # Checked against the broker's cached definitions, read again when not found there;
+        # the service is read once more when the rows are written (messaging.begins).
+        queue_id = local_service_queue(self.broker, self._conn, from_service)
+        if queue_id is None:
             raise UnknownObject(f"service {from_service!r} is not a local service of this broker")
-        if (
-            self._execute(select(s.contract.c.name).where(s.contract.c.name == contract)).first()
-            is None
-        ):
+        if not contract_exists(self.broker, self._conn, contract):
             raise UnknownObject(f"contract {contract!r} does not exist in this broker")
 
         group: uuid.UUID | None = None
@@ -152,7 +155,7 @@ class Transaction(Receiving, Ending):
             ).first()
             if row is None:
                 raise UnknownObject(f"related conversation {rel} does not exist in this broker")
-            if row.queue_id != svc.queue_id:
+            if row.queue_id != queue_id:
                 raise InvalidDefinition(
                     f"related conversation {rel} is on another queue than service {from_service!r}"
                 )
@@ -162,9 +165,9 @@ class Transaction(Receiving, Ending):
             new_group = self._join_group(group) is None
         elif related_conversation_group is not None:
             group = as_uuid(related_conversation_group, "related_conversation_group")
-            queue_id = self._join_group(group)
-            if queue_id is not None:
-                if queue_id != svc.queue_id:
+            joined = self._join_group(group)
+            if joined is not None:
+                if joined != queue_id:
                     raise InvalidDefinition(
                         f"conversation group {group} is on another queue than service "
                         f"{from_service!r}"
@@ -179,35 +182,37 @@ class Transaction(Receiving, Ending):
             if first is not None:
                 return first
         self._dirty = True
-        if new_group:
-            self._execute(
-                insert(s.conversation_group).values(
-                    conversation_group_id=group, queue_id=svc.queue_id
+        endpoint = {
+            "conversation_handle": handle,
+            "conversation_id": uuid.uuid4(),
+            "is_initiator": True,
+            "conversation_group_id": group,
+            "queue_id": queue_id,
+            "service_name": from_service,
+            "far_service": to_service,
+            "far_broker_instance": broker_instance,
+            "far_handle": None,
+            "contract_name": contract,
+            "state": "SO",
+            "priority": priority_for(self.broker, self._conn, contract, from_service, to_service),
+            "lifetime": now + timedelta(seconds=lifetime_seconds) if lifetime_seconds else None,
+            "timer_due_at": None,
+            "send_sequence": 0,
+            "receive_sequence": 0,
+            "created_at": now,
+            "closed_at": None,
+            "encryption": bool(encryption),
+        }
+        if self._owned and self.broker.client_role is None:
+            self._begins.add(endpoint, new_group=new_group)  # written by the next statement
+        else:
+            if new_group:
+                self._execute(
+                    insert(s.conversation_group).values(
+                        conversation_group_id=group, queue_id=queue_id
+                    )
                 )
-            )
-        self._execute(
-            insert(s.conversation_endpoint).values(
-                conversation_handle=handle,
-                conversation_id=uuid.uuid4(),
-                is_initiator=True,
-                conversation_group_id=group,
-                queue_id=svc.queue_id,
-                service_name=from_service,
-                far_service=to_service,
-                far_broker_instance=broker_instance,
-                far_handle=None,
-                contract_name=contract,
-                state="SO",
-                priority=priority_for(
-                    self.broker, self.connection, contract, from_service, to_service
-                ),
-                lifetime=now + timedelta(seconds=lifetime_seconds) if lifetime_seconds else None,
-                send_sequence=0,
-                receive_sequence=0,
-                created_at=now,
-                encryption=bool(encryption),
-            )
-        )
+            self._execute(insert(s.conversation_endpoint).values(**endpoint))
         if lifetime_seconds:
             self.broker.note_due(now + timedelta(seconds=lifetime_seconds))
         return handle
@@ -450,12 +455,16 @@ class Transaction(Receiving, Ending):
         ):
             raise InvalidDefinition(f"timeout_seconds must be >= 0, not {timeout_seconds!r}")
         self._require_conversations([h])
+        due = utcnow() + timedelta(seconds=timeout_seconds)
+        self._check_open()
+        if self._begins.set_timer(h, due):  # begun in this transaction, not written yet
+            self.broker.note_due(due)
+            return
         row = self._endpoint_row(h)
         if row.state in ("CD", "ER", "DO"):
             raise ConversationEnded(f"conversation {h} has ended ({row.state}): no timer on it")
         e = s.conversation_endpoint
         self._dirty = True
-        due = utcnow() + timedelta(seconds=timeout_seconds)
         self._execute(update(e).where(e.c.conversation_handle == h).values(timer_due_at=due))
         self.broker.note_due(due)
 

@@ -26,6 +26,7 @@ from airflow_broker.errors import (
     QueueDisabled,
     UnknownObject,
 )
+from airflow_broker.messaging.begins import PendingBegins
 from airflow_broker.messaging.fast_send import (
     endpoint_statement,
 )
@@ -58,7 +59,10 @@ class TransactionCore:
         """
         self.broker = broker
         self._owned = within is None
-        self.connection: Connection = broker.engine.connect() if within is None else within
+        self._conn: Connection = broker.engine.connect() if within is None else within
+        #: BEGIN DIALOGs not written yet: written as soon as anything uses the connection
+        #: (:attr:`connection`) or the transaction commits (messaging.begins)
+        self._begins = PendingBegins()
         self._leases: dict[int, ReceiveLease] = {}
         #: PostgreSQL: the key of the receive lease the next RECEIVE opens (its commit marker
         #: is written by the RECEIVE statement itself)
@@ -75,6 +79,24 @@ class TransactionCore:
         #: PostgreSQL: the senders whose far endpoints this transaction's fast-path SENDs
         #: locked in memory (storage.endpoint_locks.ADVISORY_BUDGET bounds them)
         self._advisory_locked: set[uuid.UUID] = set()
+
+    @property
+    def connection(self) -> Connection:
+        """This transaction's SQLAlchemy connection, with the BEGIN DIALOGs made so far
+        written (:mod:`~airflow_broker.messaging.begins`)."""
+        if self._begins:
+            self._write_begins()
+        return self._conn
+
+    def _write_begins(self) -> None:
+        pending, self._begins = self._begins, PendingBegins()
+        try:
+            pending.write(self._conn)
+        except BaseException as exc:
+            self._doomed = self._doomed or (
+                f"the conversations begun in this transaction could not be written ({exc})"
+            )
+            raise
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -105,10 +127,10 @@ class TransactionCore:
         if self._doomed is not None:
             self._after_rollback()
             raise BrokerError(f"transaction rolled back instead of committing: {self._doomed}")
-        conn = self.connection
         leases = list(self._leases.values())
         adapter = self.broker.adapter
         try:
+            conn = self.connection  # the BEGIN DIALOGs not written yet, first
             if leases:
                 # Gone with the commit: this transaction's leases, and the queues' run of
                 # consecutive rollbacks (a committed RECEIVE breaks it).
@@ -128,7 +150,7 @@ class TransactionCore:
         self._done = True
         self.broker.adapter.close_leases(list(self._leases.values()))
         if close:
-            self.connection.close()
+            self._conn.close()
         if self._sent or self._received:
             metrics.incr(metrics.MESSAGES_SENT, self._sent)
             for name, n in self._received.items():
@@ -138,7 +160,7 @@ class TransactionCore:
         """A new transaction on this one's connection, which it owns from the COMMIT of this
         one on (``Receiving.commit_and_receive`` sends that COMMIT and the successor's first
         statement together)."""
-        nxt = type(self)(self.broker, within=self.connection)
+        nxt = type(self)(self.broker, within=self._conn)
         nxt._owned = True
         return nxt
 
@@ -149,7 +171,8 @@ class TransactionCore:
         self._after_rollback()
 
     def _after_rollback(self) -> None:
-        conn = self.connection
+        self._begins = PendingBegins()  # never written
+        conn = self._conn
         self._done = True
         adapter = self.broker.adapter
         try:
