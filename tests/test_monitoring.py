@@ -528,7 +528,7 @@ def test_to_json_is_plain_json(broker: Broker) -> None:
     open_order(broker)
     doc = mon.to_json(mon.conversations(broker, limit=1))
     assert json.loads(json.dumps(doc)) == doc
-    assert set(doc) == {"items", "total", "limit", "offset", "next_offset"}
+    assert set(doc) == {"items", "total", "limit", "offset", "next_offset", "total_estimated"}
     item = doc["items"][0]
     assert uuid.UUID(item["conversation_handle"])
     assert item["created_at"].endswith("+00:00")

@@ -58,6 +58,7 @@ PROBE = "probe-0123456789ab"
 GETS = [
     "/overview",
     "/queues",
+    "/queue-names",
     f"/queues/{SUPPLIER_QUEUE}",
     f"/queues/{SUPPLIER_QUEUE}/depth-history",
     "/services",
@@ -80,7 +81,7 @@ POSTS = [
     f"/conversations/{NO_SUCH}/end",
     "/probes",
 ]
-PAGED = ["/conversations", "/transmission-queue", "/routing-mappings", "/events"]
+PAGED = ["/queues", "/conversations", "/transmission-queue", "/routing-mappings", "/events"]
 
 
 # -- Airflow's authentication, for the module ------------------------------------------------
@@ -241,7 +242,7 @@ def test_the_ui_session_cookie_works(api: TestClient, airflow: Airflow) -> None:
     api.cookies.set("_token", airflow.tokens["viewer"])
     r = api.get("/broker/api/queues")
     assert r.status_code == 200, r.text
-    assert {q["name"] for q in r.json()} == {BUYER_QUEUE, SUPPLIER_QUEUE}
+    assert {q["name"] for q in r.json()["items"]} == {BUYER_QUEUE, SUPPLIER_QUEUE}
 
 
 @pytest.mark.parametrize("user", ["viewer", "user", "op", "admin"])
@@ -303,7 +304,7 @@ def test_reading_every_list(airflow: Airflow, broker: Broker) -> None:
     assert overview["engine"] == broker.dialect
     assert overview["transmission_queue"] == 2
 
-    queues = {q["name"]: q for q in get(api, airflow, "/queues")}
+    queues = {q["name"]: q for q in get(api, airflow, "/queues")["items"]}
     assert set(queues) == {BUYER_QUEUE, SUPPLIER_QUEUE, echo.ECHO_QUEUE, echo.PROBER_QUEUE}
     assert queues[SUPPLIER_QUEUE]["depth"] == 1
     assert queues[SUPPLIER_QUEUE]["oldest_age_seconds"] >= 0

@@ -56,7 +56,7 @@ def test_the_api_server_serves_the_broker_api_behind_airflow_auth(tmp_path: Path
             assert anonymous.status_code == 401, anonymous.text
             r = http.get("/broker/api/queues", headers=admin)
             assert r.status_code == 200, r.text + af.log("api-server")[-3000:]
-            queues = {q["name"]: q for q in r.json()}
+            queues = {q["name"]: q for q in r.json()["items"]}
             assert queues[SUPPLIER_QUEUE]["status"] == "disabled"
 
             refused = http.post(f"/broker/api/queues/{SUPPLIER_QUEUE}/enable", headers=viewer)

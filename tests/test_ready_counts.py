@@ -283,7 +283,7 @@ def test_the_api_shows_held_and_leased_apart(page_broker: Broker) -> None:
         one = http.get(f"/broker/api/queues/{SUPPLIER_QUEUE}")
         overview = http.get("/broker/api/overview")
     assert queues.status_code == one.status_code == overview.status_code == 200
-    [q] = [q for q in queues.json() if q["name"] == SUPPLIER_QUEUE]
+    [q] = [q for q in queues.json()["items"] if q["name"] == SUPPLIER_QUEUE]
     assert (q["depth"], q["groups_ready"], q["held"], q["leased"]) == (3, 2, 2, 1)
     assert_held_until(datetime.fromisoformat(q["held_until"]), filled)
     assert one.json()["queue"]["held"] == 2

@@ -16,9 +16,14 @@ Observation
     :func:`queue_events` (dead-lettered, disabled, re-enabled). Lists that grow with traffic
     (conversations, the transmission queue, routing mappings, events, waiting messages) are
     pages (:class:`Page`): ``limit`` (at most :data:`MAX_LIMIT`) and ``offset``, counted and read
-    by the database, never loaded whole.
-    Lists of declared objects (queues, services, contracts, routes) are small by nature and are
-    returned whole, each with its aggregates computed by one grouped statement, not per row.
+    by the database, never loaded whole. Queues are paged too (:func:`queue_page`, a thousand
+    queues are one deployment's worth; :func:`queues` still returns them all), each page's
+    aggregates read for its queues only. Counts do not scan
+    (:mod:`~airflow_broker.operations.counts`): exact up to :data:`COUNT_CAP` rows,
+    PostgreSQL's estimate beyond (``total_estimated``, "about N"); the overview's conversation
+    counts likewise.
+    Lists of declared objects (services, contracts, routes) are returned whole, each with its
+    aggregates computed by one grouped statement, not per row.
 
 Actions
     :func:`enable_queue` (re-enable a queue, e.g. one poison handling disabled),
@@ -40,6 +45,7 @@ broker lacks what an action needs (the echo example's prober service).
 
 from __future__ import annotations
 
+from airflow_broker.operations.counts import COUNT_CAP, Count, bounded_count
 from airflow_broker.operations.monitoring.actions import (
     drop_transmission,
     enable_queue,
@@ -103,6 +109,8 @@ from airflow_broker.operations.monitoring.queues import (
     contracts,
     queue,
     queue_depth_history,
+    queue_names,
+    queue_page,
     queues,
     services,
 )
@@ -114,6 +122,7 @@ from airflow_broker.operations.monitoring.transmission import (
 )
 
 __all__ = [
+    "COUNT_CAP",
     "DEAD_LETTERED",
     "DEFAULT_LIMIT",
     "MAX_LIMIT",
@@ -132,6 +141,7 @@ __all__ = [
     "BodyPreview",
     "ContractInfo",
     "ConversationInfo",
+    "Count",
     "DepthHistory",
     "MappingInfo",
     "NotReady",
@@ -152,6 +162,7 @@ __all__ = [
     "WaitingPage",
     "WaitingSummary",
     "body_preview",
+    "bounded_count",
     "certificates",
     "check_page",
     "contracts",
@@ -167,6 +178,8 @@ __all__ = [
     "queue",
     "queue_depth_history",
     "queue_events",
+    "queue_names",
+    "queue_page",
     "queues",
     "retry_transmission",
     "routes",

@@ -10,10 +10,9 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Connection
 
 from airflow_broker.constants import STATE_DESC, STATUS_READY
-from airflow_broker.errors import (
-    UnknownObject,
-)
+from airflow_broker.errors import InvalidDefinition, UnknownObject
 from airflow_broker.messaging.arguments import as_uuid
+from airflow_broker.operations.counts import bounded_count, bounded_counts_by
 from airflow_broker.operations.monitoring.models import (
     DEFAULT_LIMIT,
     ConversationInfo,
@@ -36,15 +35,17 @@ if TYPE_CHECKING:
 
 
 def _state_counts(conn: Connection, conds: Sequence[Any] = ()) -> list[StateCount]:
-    counts = _pairs(
-        conn,
-        select(_e.c.state, func.count()).where(*conds).group_by(_e.c.state),
-    )
-    return [StateCount(code, desc, int(counts.get(code, 0))) for code, desc in STATE_DESC.items()]
+    """Endpoints by state: exact up to ``COUNT_CAP`` endpoints, estimated beyond."""
+    counts, estimated = bounded_counts_by(conn, _e, _e.c.state, list(STATE_DESC), conds)
+    return [
+        StateCount(code, desc, int(counts.get(code, 0)), estimated)
+        for code, desc in STATE_DESC.items()
+    ]
 
 
 def conversation_states(broker: BrokerContext, queue: str | None = None) -> list[StateCount]:
-    """Conversation endpoints counted by state (every state, zeros included)."""
+    """Conversation endpoints counted by state (every state, zeros included); past
+    ``COUNT_CAP`` endpoints the counts are PostgreSQL's estimates (``estimated``)."""
     with broker.read_connection() as conn:
         conds = [] if queue is None else [_e.c.queue_id == _queue_id(conn, queue)]
         return _state_counts(conn, conds)
@@ -112,7 +113,9 @@ def conversations(
     offset: int = 0,
 ) -> Page[ConversationInfo]:
     """Conversation endpoints, newest first, filtered by state (code or description), queue,
-    local service, far service and side."""
+    local service, far service and side. The page's ``total`` is exact up to ``COUNT_CAP``
+    matches and PostgreSQL's estimate beyond (``total_estimated``,
+    :mod:`~airflow_broker.operations.counts`)."""
     check_page(limit, offset)
     conds: list[Any] = []
     if state is not None:
@@ -126,18 +129,23 @@ def conversations(
     with broker.read_connection() as conn:
         if queue is not None:
             conds.append(_e.c.queue_id == _queue_id(conn, queue))
-        total = int(conn.execute(select(func.count()).select_from(_e).where(*conds)).scalar_one())
-        _check_offset(offset, total, "conversations")
+        total = bounded_count(conn, _e, conds)
+        if not total.estimated:
+            _check_offset(offset, total.value, "conversations")
         rows = list(
             conn.execute(
                 _endpoint_select()
                 .where(*conds)
-                .order_by(_e.c.created_at.desc(), _e.c.conversation_handle)
+                .order_by(_e.c.created_at.desc(), _e.c.conversation_handle.desc())
                 .limit(limit)
                 .offset(offset)
             )
         )
-        return Page(_conversation_rows(conn, rows), total, limit, offset)
+        if total.estimated and offset > 0 and not rows:
+            raise InvalidDefinition(
+                f"offset {offset} is past the end: about {total.value} conversations match"
+            )
+        return Page(_conversation_rows(conn, rows), total.value, limit, offset, total.estimated)
 
 
 def conversation(broker: BrokerContext, handle: uuid.UUID | str) -> ConversationInfo:

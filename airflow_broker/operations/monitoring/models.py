@@ -75,17 +75,24 @@ class NotReady(BrokerError):
 
 @dataclass(frozen=True, slots=True)
 class Page(Generic[T]):
-    """One page of a list: ``items`` from ``offset`` on, of ``total`` that match."""
+    """One page of a list: ``items`` from ``offset`` on, of ``total`` that match; with
+    ``total_estimated``, ``total`` is PostgreSQL's estimate
+    (:mod:`~airflow_broker.operations.counts`), shown as "about N".
+    """
 
     items: list[T]
     total: int
     limit: int
     offset: int
+    total_estimated: bool = False
 
     @property
     def next_offset(self) -> int | None:
-        """The offset of the next page, or None on the last one."""
+        """The offset of the next page, or None on the last one (an estimated total: a full
+        page has a next one)."""
         following = self.offset + len(self.items)
+        if self.total_estimated:
+            return following if len(self.items) == self.limit else None
         return following if following < self.total else None
 
 
@@ -118,6 +125,7 @@ def to_json(value: Any) -> Any:
             "limit": value.limit,
             "offset": value.offset,
             "next_offset": value.next_offset,
+            "total_estimated": value.total_estimated,
         }
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
@@ -222,7 +230,8 @@ class ServiceInfo:
     queue: str
     contracts: list[str]
     routing_service: bool
-    conversations: int
+    #: None: not counted (more than ``COUNT_CAP`` endpoints in the broker)
+    conversations: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +249,8 @@ class StateCount:
     state: str
     state_desc: str
     count: int
+    #: the count is PostgreSQL's estimate (more than ``COUNT_CAP`` endpoints): "about N"
+    estimated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,6 +382,8 @@ class Overview:
     messages_held: int = 0
     #: messages, in all queues, a lease holds
     messages_leased: int = 0
+    #: the conversation counts are estimates (more than ``COUNT_CAP`` endpoints): "about N"
+    conversations_estimated: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,6 +122,7 @@ def overview(broker: BrokerContext) -> Overview:
         certificates_expiring=expiring,
         messages_held=sum(q.held.messages for q in waiting),
         messages_leased=sum(q.leased.messages for q in waiting),
+        conversations_estimated=any(c.estimated for c in states),
     )
 
 

@@ -8,17 +8,21 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, select
 from sqlalchemy.engine import Connection
 
+from airflow_broker.operations.counts import bounded_count
 from airflow_broker.operations.monitoring.models import (
+    DEFAULT_LIMIT,
     QUEUE_EVENTS_SHOWN,
     QUEUE_READERS_SHOWN,
     ContractInfo,
     DepthHistory,
+    Page,
     PoisonEvent,
     QueueDetail,
     QueueInfo,
     ReaderInfo,
     ServiceInfo,
     _age,
+    _check_offset,
     _e,
     _ev,
     _pairs,
@@ -26,6 +30,7 @@ from airflow_broker.operations.monitoring.models import (
     _queue_id,
     _r,
     _ts,
+    check_page,
 )
 from airflow_broker.operations.sampling import check_minutes, depth_samples
 from airflow_broker.storage import readiness
@@ -36,30 +41,45 @@ if TYPE_CHECKING:
     from airflow_broker.storage.context import BrokerContext
 
 
-def _queue_infos(conn: Connection, name: str | None = None) -> list[QueueInfo]:
-    readers = (
-        select(
-            _r.c.queue_id,
-            func.count().filter(_r.c.started_at.is_not(None)).label("running"),
-            func.count().filter(_r.c.started_at.is_(None)).label("starting"),
-        )
-        .where(_r.c.finished_at.is_(None))
-        .group_by(_r.c.queue_id)
-        .subquery()
-    )
+def _queue_rows(
+    conn: Connection,
+    *,
+    name: str | None = None,
+    contains: str | None = None,
+    limit: int | None = None,
+    offset: int = 0,
+) -> list[Any]:
+    """Queue rows by name (one, those whose name contains ``contains``, or a page of them)."""
     q = s.queue
-    stmt = (
-        select(q, readers.c.running, readers.c.starting)
-        .outerjoin(readers, readers.c.queue_id == q.c.queue_id)
-        .order_by(q.c.name)
-    )
+    stmt = select(q).order_by(q.c.name)
     if name is not None:
         stmt = stmt.where(q.c.name == name)
-    rows = list(conn.execute(stmt))
+    if contains is not None:
+        stmt = stmt.where(q.c.name.contains(contains, autoescape=True))
+    if limit is not None:
+        stmt = stmt.limit(limit).offset(offset)
+    return list(conn.execute(stmt))
+
+
+def _queue_infos(conn: Connection, rows: list[Any], *, whole: bool = False) -> list[QueueInfo]:
+    """The :class:`QueueInfo` of queue ``rows``: every aggregate read for these queues only
+    (``whole``: they are every queue, so the counts need no filter)."""
     ids = [r.queue_id for r in rows]
+    readers: dict[int, tuple[int, int]] = {
+        r.queue_id: (int(r.running), int(r.starting))
+        for r in conn.execute(
+            select(
+                _r.c.queue_id,
+                func.count().filter(_r.c.started_at.is_not(None)).label("running"),
+                func.count().filter(_r.c.started_at.is_(None)).label("starting"),
+            )
+            .where(_r.c.finished_at.is_(None), _r.c.queue_id.in_(ids))
+            .group_by(_r.c.queue_id)
+        )
+    }
     now = utcnow()
     # Depth counts what a reader could take now; held and leased messages are counted apart.
-    waiting = readiness.tally(conn, queue_ids=None if name is None else ids, now=now)
+    waiting = readiness.tally(conn, queue_ids=None if whole else ids, now=now)
     services: dict[int, list[str]] = {}
     for r in conn.execute(
         select(s.service.c.queue_id, s.service.c.name)
@@ -98,8 +118,8 @@ def _queue_infos(conn: Connection, name: str | None = None) -> list[QueueInfo]:
                 oldest_enqueued_at=oldest,
                 oldest_age_seconds=_age(now, oldest),
                 groups_ready=counted.ready.groups,
-                readers_running=int(r.running or 0),
-                readers_starting=int(r.starting or 0),
+                readers_running=readers.get(r.queue_id, (0, 0))[0],
+                readers_starting=readers.get(r.queue_id, (0, 0))[1],
                 rollback_count=int(r.rollback_count),
                 poison_message_handling=bool(r.poison_message_handling),
                 retention=bool(r.retention),
@@ -119,7 +139,36 @@ def queues(broker: BrokerContext) -> list[QueueInfo]:
     """Every queue, by name: depth (messages a reader could take now), the messages held and
     leased apart, oldest message, readers running, status, poison events."""
     with broker.read_connection() as conn:
-        return _queue_infos(conn)
+        return _queue_infos(conn, _queue_rows(conn), whole=True)
+
+
+def queue_page(
+    broker: BrokerContext,
+    *,
+    limit: int = DEFAULT_LIMIT,
+    offset: int = 0,
+    name_contains: str | None = None,
+) -> Page[QueueInfo]:
+    """A page of :func:`queues`, by name (``name_contains``: only queues whose name contains
+    it): ``limit`` queues from ``offset`` on, each counted as :func:`queues` counts it, every
+    aggregate read for the page's queues only. The ``total`` is exact up to ``COUNT_CAP``
+    queues, estimated beyond (:mod:`~airflow_broker.operations.counts`)."""
+    check_page(limit, offset)
+    conds = (
+        [] if name_contains is None else [s.queue.c.name.contains(name_contains, autoescape=True)]
+    )
+    with broker.read_connection() as conn:
+        total = bounded_count(conn, s.queue, conds)
+        if not total.estimated:
+            _check_offset(offset, total.value, "queues")
+        rows = _queue_rows(conn, contains=name_contains, limit=limit, offset=offset)
+        return Page(_queue_infos(conn, rows), total.value, limit, offset, total.estimated)
+
+
+def queue_names(broker: BrokerContext) -> list[str]:
+    """Every queue's name, sorted (the page's queue pickers): one index read, no counts."""
+    with broker.read_connection() as conn:
+        return list(conn.execute(select(s.queue.c.name).order_by(s.queue.c.name)).scalars())
 
 
 def queue_depth_history(
@@ -144,7 +193,7 @@ def queue(broker: BrokerContext, name: str) -> QueueDetail:
     """One queue, with its most recent readers and poison events."""
     with broker.read_connection() as conn:
         queue_id = _queue_id(conn, name)
-        (info,) = _queue_infos(conn, name)
+        (info,) = _queue_infos(conn, _queue_rows(conn, name=name))
         readers = [
             ReaderInfo(
                 reader_id=r.reader_id,
@@ -177,7 +226,9 @@ def queue(broker: BrokerContext, name: str) -> QueueDetail:
 
 
 def services(broker: BrokerContext) -> list[ServiceInfo]:
-    """Every service, by name: its queue, contracts, and how many conversations it has."""
+    """Every service, by name: its queue, contracts, and how many conversations it has (counted
+    while the broker holds at most ``COUNT_CAP`` endpoints; None beyond, where counting them
+    would read every endpoint: the conversation list filtered by service counts one)."""
     with broker.read_connection() as conn:
         contracts: dict[str, list[str]] = {}
         for r in conn.execute(
@@ -185,9 +236,11 @@ def services(broker: BrokerContext) -> list[ServiceInfo]:
         ):
             contracts.setdefault(r.service_name, []).append(r.contract_name)
         routing = set(conn.execute(select(s.routing_service.c.name)).scalars())
-        counts = _pairs(
-            conn,
-            select(_e.c.service_name, func.count()).group_by(_e.c.service_name),
+        counted = not bounded_count(conn, _e).estimated
+        counts = (
+            _pairs(conn, select(_e.c.service_name, func.count()).group_by(_e.c.service_name))
+            if counted
+            else {}
         )
         return [
             ServiceInfo(
@@ -195,7 +248,7 @@ def services(broker: BrokerContext) -> list[ServiceInfo]:
                 queue=r.queue,
                 contracts=contracts.get(r.name, []),
                 routing_service=r.name in routing,
-                conversations=int(counts.get(r.name, 0)),
+                conversations=int(counts.get(r.name, 0)) if counted else None,
             )
             for r in conn.execute(
                 select(s.service.c.name, s.queue.c.name.label("queue"))

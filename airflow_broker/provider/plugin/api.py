@@ -11,9 +11,11 @@ Reading (GET)::
 
     /api/overview                      identity, settings, counts (messages ready, held,
                                        leased)
-    /api/queues                        depth (messages a reader could take now), held (with
+    /api/queues                        paged, by name; ?name_contains= &limit= &offset=: depth
+                                       (messages a reader could take now), held (with
                                        held_until, when the first hold ends) and leased apart,
                                        oldest message, readers, status, poison events
+    /api/queue-names                   every queue's name, sorted (the page's pickers)
     /api/queues/{queue}                one queue, its recent readers and poison events
     /api/queues/{queue}/messages       paged peek: the messages waiting, in RECEIVE's order, each
                                        with a body preview, age and receive count (nothing is
@@ -53,6 +55,12 @@ without a token or the UI's session cookie; reading needs read access to DAGs; a
 access to the broker's Airflow connection, because that connection is the broker database and
 these actions lose or move its messages (a custom view is not used: the simple auth manager
 treats any custom-view request as a read, and FAB grants a new custom resource to nobody).
+
+Paged lists answer ``{"items", "total", "limit", "offset", "next_offset", "total_estimated"}``:
+``limit`` 1..500 (default 50), and a ``total`` that is exact up to 10,000 matching rows and
+PostgreSQL's estimate beyond (``total_estimated``: the page shows "about N"; see
+:mod:`airflow_broker.operations.counts`). The overview's conversation counts, and
+a service's, follow the same rule.
 
 Bad input is refused before anything changes: an unknown queue, conversation or probe is 404
 naming it; a malformed UUID or probe id, an unknown state, a limit outside 1..500, a negative
@@ -239,10 +247,27 @@ def create_app(*, broker_conn_id: str = DEFAULT_CONN_ID, broker: Broker | None =
     def overview(broker: BrokerDep) -> Any:
         return _json(mon.overview(broker))
 
-    @api.get("/queues", summary="Every queue: depth, oldest message, readers, status, poison")
-    def queues(broker: BrokerDep) -> Any:
+    @api.get(
+        "/queues",
+        summary="Queues by name, paged: depth, oldest message, readers, status, poison",
+    )
+    def queues(
+        broker: BrokerDep,
+        name_contains: Annotated[
+            str | None,
+            Query(min_length=1, max_length=NAME_MAX, description="only queues whose name has it"),
+        ] = None,
+        limit: Limit = mon.DEFAULT_LIMIT,
+        offset: Offset = 0,
+    ) -> Any:
         sample_step(broker)  # a freshly opened page has a point of history (never raises)
-        return _json(mon.queues(broker))
+        return _json(
+            mon.queue_page(broker, limit=limit, offset=offset, name_contains=name_contains)
+        )
+
+    @api.get("/queue-names", summary="Every queue's name, sorted (no counts)")
+    def queue_names(broker: BrokerDep) -> Any:
+        return mon.queue_names(broker)
 
     # Before /queues/{queue:path}, which would take "X/depth-history" for a queue's name.
     @api.get(

@@ -1,6 +1,7 @@
 """The broker's tables, in SQLAlchemy Core: one :class:`~sqlalchemy.MetaData` (``metadata``),
 its core tables (:mod:`.core`), failure handling's (:mod:`.failure`) and security's
-(:mod:`.security`). ``from airflow_broker.storage import schema as s; s.message`` reaches any.
+(:mod:`.security`), and the monitoring lists' indexes (:mod:`.listing`).
+``from airflow_broker.storage import schema as s; s.message`` reaches any.
 """
 
 from typing import Any
@@ -14,6 +15,10 @@ from airflow_broker.storage.schema.core import (
     metadata,
 )
 from airflow_broker.storage.schema.failure import dedupe, lease
+from airflow_broker.storage.schema.listing import (
+    endpoint_by_creation,
+    endpoint_by_queue_and_creation,
+)
 from airflow_broker.storage.schema.security import (
     certificate,
     dialog_key,
@@ -42,6 +47,8 @@ __all__ = [
     "certificate",
     "dedupe",
     "dialog_key",
+    "endpoint_by_creation",
+    "endpoint_by_queue_and_creation",
     "exists_on",
     "inbox",
     "inbox_answer",

@@ -14,6 +14,9 @@
   const SVG_NS = "http://www.w3.org/2000/svg";
 
   const view = {
+    queuePage: { filter: "", offset: 0 }, // the queue list: a page of queues by name
+    queueNames: [], // every queue's name (the pickers), read again when the count changes
+    queueCount: null,
     conversations: { state: "", queue: "", offset: 0 },
     transmission: { offset: 0 },
     mappings: { offset: 0 },
@@ -292,6 +295,11 @@
     }
   }
 
+  /** A count as shown: "about 1,000,000" when PostgreSQL estimated it (past 10,000 rows). */
+  function total(n, estimated) {
+    return estimated ? `about ${Number(n).toLocaleString("en-US")}` : `${n}`;
+  }
+
   function pager(name, data, state) {
     const el = document.querySelector(`[data-pager="${name}"]`);
     if (data.total === 0) {
@@ -307,7 +315,7 @@
     };
     el.replaceChildren(
       h("button", { type: "button", disabled: data.offset === 0, onclick: go(Math.max(0, data.offset - data.limit)) }, "‹ Previous"),
-      h("span", { class: "muted" }, ` ${first}–${last} of ${data.total} `),
+      h("span", { class: "muted page-position" }, ` ${first}–${last} of ${total(data.total, data.total_estimated)} `),
       h("button", { type: "button", disabled: data.next_offset === null, onclick: go(data.next_offset) }, "Next ›")
     );
   }
@@ -341,7 +349,7 @@
       o.principal ? " · principal" : ""
     );
     const conversations = o.conversations.reduce((n, s) => n + s.count, 0);
-    const byState = o.conversations.filter((s) => s.count > 0).map((s) => `${s.count} ${s.state_desc.toLowerCase()}`).join(", ");
+    const byState = o.conversations.filter((s) => s.count > 0).map((s) => `${total(s.count, s.estimated)} ${s.state_desc.toLowerCase()}`).join(", ");
     const card = (label, value, note, kind) =>
       h("div", { class: `card ${kind || ""}`, "data-card": label },
         h("div", { class: "card-label" }, label),
@@ -356,7 +364,7 @@
           ? `${o.messages_held || 0} held · ${o.messages_leased || 0} leased`
           : "in all queues"
       ),
-      card("Conversations", conversations, byState || "none"),
+      card("Conversations", total(conversations, o.conversations_estimated), byState || "none"),
       card(
         "Transmission queue",
         o.transmission_queue,
@@ -376,6 +384,10 @@
       certificatesCard(o.certificates_expiring || [], card)
     );
     renderCertificatesExpiring(o.certificates_expiring || []);
+    if (view.queueCount !== o.queues) {
+      view.queueCount = o.queues; // a queue was created or dropped: the pickers read the names
+      loadQueueNames();
+    }
   }
 
   /** Dialog security's certificates that end within 30 days, or have ended. */
@@ -405,7 +417,8 @@
     fill($("#certificates-table tbody"), rows, 5, "None.");
   }
 
-  function renderQueues(queues) {
+  function renderQueues(data) {
+    const queues = data.items;
     view.queues = queues;
     const rows = queues.map((q) => {
       const disabled = q.status !== "enabled";
@@ -452,19 +465,31 @@
           }, "Depth chart"))
       );
     });
-    fill($("#queues-table tbody"), rows, 10, "No queues.");
-    syncSelect($("#depth-queue"), queues.map((q) => q.name), null);
-    syncSelect($("#messages-queue"), queues.map((q) => q.name), null);
-    if (!queues.some((q) => q.name === view.messages.queue)) {
-      // None chosen yet, or the chosen one was dropped: the deepest queue.
-      const deepest = [...queues].sort((a, b) => b.depth - a.depth)[0];
-      selectMessagesQueue(deepest ? deepest.name : "");
-    }
-    syncSelect($("#conversation-queue"), queues.map((q) => q.name), "all queues");
-    if (!view.depthQueue && queues.length) {
-      const deepest = [...queues].sort((a, b) => b.depth - a.depth)[0];
-      selectDepthQueue(deepest.name);
-    }
+    fill($("#queues-table tbody"), rows, 10, view.queuePage.filter ? "No queue matches." : "No queues.");
+    pager("queues", data, view.queuePage);
+    // None chosen yet: the deepest queue of the page.
+    const deepest = [...queues].sort((a, b) => b.depth - a.depth)[0];
+    if (!view.messages.queue && deepest) selectMessagesQueue(deepest.name);
+    if (!view.depthQueue && deepest) selectDepthQueue(deepest.name);
+  }
+
+  /** Every queue's name, for the pickers (names only: no counts, one index read). */
+  function loadQueueNames() {
+    return api("queue-names").then(
+      (names) => {
+        view.queueNames = names;
+        syncSelect($("#depth-queue"), names, null);
+        syncSelect($("#messages-queue"), names, null);
+        syncSelect($("#conversation-queue"), names, "all queues");
+        if (view.messages.queue && !names.includes(view.messages.queue)) {
+          selectMessagesQueue(""); // the chosen one was dropped
+        }
+      },
+      (err) => {
+        if (!(err instanceof ApiError)) throw err;
+        view.queueCount = null; // try again on the next round
+      }
+    );
   }
 
   /**
@@ -700,7 +725,7 @@
   }
 
   function renderStates(states) {
-    const total = states.reduce((n, s) => n + s.count, 0);
+    const all = states.reduce((n, s) => n + s.count, 0);
     const chip = (value, label, count) =>
       h("button", {
         type: "button",
@@ -716,8 +741,8 @@
         },
       }, label, " ", h("span", { class: "count" }, count));
     $("#state-chips").replaceChildren(
-      chip("", "All", total),
-      ...states.map((s) => chip(s.state, s.state_desc, s.count))
+      chip("", "All", total(all, states.some((s) => s.estimated))),
+      ...states.map((s) => chip(s.state, s.state_desc, total(s.count, s.estimated)))
     );
   }
 
@@ -801,7 +826,8 @@
         h("th", { scope: "row" }, s.name, s.routing_service ? h("span", { class: "tag" }, "routing") : null),
         h("td", null, s.queue),
         h("td", null, s.contracts.join(", ") || h("span", { class: "muted" }, "— (initiator only)")),
-        h("td", { class: "num" }, s.conversations))
+        h("td", { class: "num", title: s.conversations === null ? "not counted: more than 10,000 conversations (filter the conversation list by service)" : null },
+          s.conversations === null ? h("span", { class: "muted" }, "many") : s.conversations))
     );
     fill($("#services-table tbody"), rows, 4, "No services.");
     syncSelect($("#probe-service"), services.map((s) => s.name), null);
@@ -942,7 +968,7 @@
     if (view.instance === null) await overview;
     await Promise.all([
       overview,
-      load("queues", () => api("queues"), renderQueues),
+      load("queues", () => page("queues", view.queuePage, { name_contains: view.queuePage.filter || undefined }), renderQueues),
       load("states", () => api("conversations/states", { query: { queue: c.queue } }), renderStates),
       load("conversations", () => page("conversations", c, { state: c.state, queue: c.queue }), renderConversations),
       load("transmission", () => page("transmission-queue", view.transmission), renderTransmission),
@@ -969,6 +995,12 @@
     $("#conversation-queue").addEventListener("change", (ev) => {
       view.conversations.queue = ev.target.value;
       view.conversations.offset = 0;
+      refresh(true);
+    });
+    $("#queue-filter").addEventListener("input", (ev) => {
+      view.queuePage.filter = ev.target.value.trim();
+      view.queuePage.offset = 0;
+      view.last.delete("queues");
       refresh(true);
     });
     $("#probe-form").addEventListener("submit", sendProbe);
