@@ -1,7 +1,10 @@
 """``check``: the consistency check of a live broker database (fsck for the broker).
 
-Read-only unless ``--repair``; prints each problem (kind, object, what is wrong) and a summary,
-or one JSON document with ``--json``. Exits 1 while any problem is left unrepaired, so it can
+Read-only unless ``--repair``; prints how many conversation endpoints it checked and how long it
+took, each problem (kind, object, what is wrong) and a summary, or one JSON document with
+``--json`` (``endpoints_checked``, ``seconds``). While it works through the conversations it
+prints its progress to stderr every ``--progress-every`` seconds (2; ``--quiet``: never).
+Exits 1 while any problem is left unrepaired, so it can
 gate a deployment or page someone from cron.
 """
 
@@ -10,29 +13,55 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
+from collections.abc import Callable
 from typing import TextIO
 
 from airflow_broker.cli.common import EXIT_ERROR, EXIT_OK, _connect, resolve_url, shown_url
-from airflow_broker.operations.check import KINDS, REPAIRS, summary
+from airflow_broker.operations.check import (
+    KINDS,
+    PROGRESS_EVERY,
+    REPAIRS,
+    Progress,
+    run,
+    summary,
+)
+
+
+def _progress_to(err: TextIO) -> Callable[[Progress], None]:
+    def show(p: Progress) -> None:
+        if not p.done:  # the last word is the report's, on stdout
+            print(f"checking: {p}", file=err, flush=True)
+
+    return show
 
 
 def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
     url, _ = resolve_url(args.url)
     broker = _connect(url)
     try:
-        problems = broker.check(repair=args.repair)
+        report = run(
+            broker,
+            repair=args.repair,
+            progress=None if args.quiet else _progress_to(sys.stderr),
+            every=args.progress_every,
+        )
     finally:
         broker.dispose()
+    problems = report.problems
     left = [p for p in problems if not p.repaired]
     if args.json:
         doc = {
             "database": shown_url(url),
             "summary": summary(problems),
+            "endpoints_checked": report.endpoints,
+            "seconds": round(report.seconds, 3),
             "problems": [dataclasses.asdict(p) for p in problems],
         }
         print(json.dumps(doc, indent=2), file=out)
         return EXIT_ERROR if left else EXIT_OK
     print(f"database: {shown_url(url)}", file=out)
+    print(str(report), file=out)
     for p in problems:
         mark = "repaired" if p.repaired else ("repairable" if p.kind in REPAIRS else "problem")
         print(f"{mark:10}  {p.kind}  {p.object}: {p.detail}", file=out)
@@ -57,4 +86,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--repair", action="store_true", help="fix what can be fixed without losing a message"
     )
     check.add_argument("--json", action="store_true", help="print JSON for machines")
+    check.add_argument(
+        "--progress-every",
+        type=float,
+        default=PROGRESS_EVERY,
+        metavar="SECONDS",
+        help="how often progress goes to stderr while it checks (default %(default)s s)",
+    )
+    check.add_argument("--quiet", action="store_true", help="no progress on stderr")
     check.set_defaults(func=cmd_check)

@@ -5,6 +5,14 @@ Each check is one query for one kind of impossible state; what it finds becomes 
 single snapshot (REPEATABLE READ on PostgreSQL; SQLite's read transaction is one already), so a
 busy broker is not reported for what a concurrent transaction was in the middle of.
 
+The check streams: the conversation-handle space is cut into chunks of :data:`CHUNK`
+endpoints (one index read finds each chunk's end), and every check that reads conversations,
+their messages or their transmissions runs on one chunk at a time, so nothing is held but the
+problems listed (at most :data:`MAX_LISTED` of a kind). Progress (endpoints checked, of how
+many, seconds, problems so far) is logged at INFO and handed to a callback at most every
+:data:`PROGRESS_EVERY` seconds; :func:`run` returns the problems with the endpoints checked
+and the seconds it took (``airflow-broker check`` prints both).
+
 ``repair=True`` fixes, in one transaction, the kinds whose fix cannot lose or invent a message
 (:data:`REPAIRS` says what each does), then checks again: a problem still there after the repair
 is reported as not repaired. Every other kind is reported for an operator to decide.
@@ -25,6 +33,7 @@ The invariants, and where the engine keeps them:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +44,7 @@ from sqlalchemy.engine import Connection
 from airflow_broker.constants import DIALOG_TIMER, END_DIALOG, ERROR, STATE_DESC
 from airflow_broker.messaging.duework import run_due
 from airflow_broker.messaging.events import record_event
+from airflow_broker.operations.check_chunks import Chunk, Progress, chunks, within
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.context import BrokerContext
 
@@ -44,6 +54,10 @@ log = logging.getLogger("airflow_broker")
 MAX_LISTED = 200
 #: The ``broker_event`` row that records each check's outcome (the UI's overview shows the last).
 EVENT = "consistency_check"
+#: Conversation endpoints read per chunk (with their messages and transmissions).
+CHUNK = 50_000
+#: Progress is reported at most this often, in seconds (and once at the end).
+PROGRESS_EVERY = 2.0
 
 _m = s.message
 _e = s.conversation_endpoint
@@ -106,12 +120,12 @@ def _short(handle: Any) -> str:
 Found = Iterator[tuple[str, str, str]]
 
 
-def _messages_without_endpoint(conn: Connection) -> Found:
+def _messages_without_endpoint(conn: Connection, chunk: Chunk) -> Found:
     rows = conn.execute(
         select(_m.c.queuing_order, _m.c.conversation_handle, _m.c.message_type_name, _q.c.name)
         .outerjoin(_e, _e.c.conversation_handle == _m.c.conversation_handle)
         .outerjoin(_q, _q.c.queue_id == _m.c.queue_id)
-        .where(_e.c.conversation_handle.is_(None))
+        .where(_e.c.conversation_handle.is_(None), *within(_m.c.conversation_handle, chunk))
         .order_by(_m.c.queuing_order)
     )
     for r in rows:
@@ -123,7 +137,7 @@ def _messages_without_endpoint(conn: Connection) -> Found:
         )
 
 
-def _misfiled_messages(conn: Connection) -> Found:
+def _misfiled_messages(conn: Connection, chunk: Chunk) -> Found:
     rows = conn.execute(
         select(
             _m.c.queuing_order,
@@ -138,7 +152,8 @@ def _misfiled_messages(conn: Connection) -> Found:
             or_(
                 _m.c.queue_id != _e.c.queue_id,
                 _m.c.conversation_group_id != _e.c.conversation_group_id,
-            )
+            ),
+            *within(_m.c.conversation_handle, chunk),
         )
         .order_by(_m.c.queuing_order)
     )
@@ -151,10 +166,13 @@ def _misfiled_messages(conn: Connection) -> Found:
         )
 
 
-def _duplicate_messages(conn: Connection) -> Found:
+def _duplicate_messages(conn: Connection, chunk: Chunk) -> Found:
     rows = conn.execute(
         select(_m.c.conversation_handle, _m.c.message_sequence_number, func.count().label("n"))
-        .where(_m.c.message_type_name.not_in([DIALOG_TIMER, ERROR]))
+        .where(
+            _m.c.message_type_name.not_in([DIALOG_TIMER, ERROR]),
+            *within(_m.c.conversation_handle, chunk),
+        )
         .group_by(_m.c.conversation_handle, _m.c.message_sequence_number, _m.c.status)
         .having(func.count() > 1)
         .order_by(_m.c.conversation_handle, _m.c.message_sequence_number)
@@ -168,7 +186,7 @@ def _duplicate_messages(conn: Connection) -> Found:
         )
 
 
-def _messages_ahead_of_sender(conn: Connection) -> Found:
+def _messages_ahead_of_sender(conn: Connection, chunk: Chunk) -> Found:
     # Within one database the sender is the far endpoint: everything it sent is numbered below
     # its send_sequence. Messages an endpoint writes to its own queue (DialogTimer, Error of a
     # failed dialog, retained copies) are numbered by this side, not by the far one.
@@ -185,6 +203,7 @@ def _messages_ahead_of_sender(conn: Connection) -> Found:
             _m.c.status == 1,
             _m.c.message_type_name.not_in([DIALOG_TIMER, ERROR]),
             _m.c.message_sequence_number >= _f.c.send_sequence,
+            *within(_m.c.conversation_handle, chunk),
         )
         .order_by(_m.c.queuing_order)
     )
@@ -197,7 +216,7 @@ def _messages_ahead_of_sender(conn: Connection) -> Found:
         )
 
 
-def _endpoints_without(conn: Connection) -> Found:
+def _endpoints_without(conn: Connection, chunk: Chunk) -> Found:
     checks: list[tuple[str, Any, Any, str, Any]] = [
         (
             "endpoint_without_group",
@@ -234,7 +253,7 @@ def _endpoints_without(conn: Connection) -> Found:
                 _e.c.service_name,
             )
             .outerjoin(table, on)
-            .where(missing.is_(None))
+            .where(missing.is_(None), *within(_e.c.conversation_handle, chunk))
             .order_by(_e.c.conversation_handle)
         )
         rows = conn.execute(stmt if only is None else stmt.where(only))
@@ -248,7 +267,7 @@ def _endpoints_without(conn: Connection) -> Found:
             )
 
 
-def _impossible_states(conn: Connection) -> Found:
+def _impossible_states(conn: Connection, chunk: Chunk) -> Found:
     rows = conn.execute(
         select(_e)
         .where(
@@ -260,7 +279,8 @@ def _impossible_states(conn: Connection) -> Found:
                 and_(_e.c.state == "CD", _e.c.closed_at.is_(None)),
                 and_(_e.c.state == "SO", _e.c.receive_sequence > 0),
                 and_(_e.c.state.in_(["SO", "SI"]), not_(_e.c.is_initiator == (_e.c.state == "SO"))),
-            )
+            ),
+            *within(_e.c.conversation_handle, chunk),
         )
         .order_by(_e.c.conversation_handle)
     )
@@ -283,7 +303,7 @@ def _impossible_states(conn: Connection) -> Found:
         yield "impossible_state", f"conversation endpoint {_short(r.conversation_handle)}", why
 
 
-def _transmissions_after_end(conn: Connection) -> Found:
+def _transmissions_after_end(conn: Connection, chunk: Chunk) -> Found:
     rows = conn.execute(
         select(_t.c.id, _t.c.conversation_handle, _t.c.message_type_name, _e.c.state)
         .join(_e, _e.c.conversation_handle == _t.c.conversation_handle)
@@ -291,7 +311,8 @@ def _transmissions_after_end(conn: Connection) -> Found:
             or_(
                 _e.c.state == "ER",
                 and_(_e.c.state == "CD", _t.c.message_type_name.not_in([END_DIALOG, ERROR])),
-            )
+            ),
+            *within(_t.c.conversation_handle, chunk),
         )
         .order_by(_t.c.id)
     )
@@ -337,34 +358,91 @@ def _stray_lease_marks(conn: Connection) -> Found:
             )
 
 
-def _checks(broker: BrokerContext) -> list[Callable[[Connection], Found]]:
-    return [
-        _messages_without_endpoint,
-        _misfiled_messages,
-        _duplicate_messages,
-        _messages_ahead_of_sender,
-        _endpoints_without,
-        _impossible_states,
-        _transmissions_after_end,
-        lambda conn: _dead_reader_leases(broker, conn),
-        _stray_lease_marks,
-    ]
+#: The checks that read conversations, run chunk by chunk of the conversation-handle space.
+_CHUNKED: list[Callable[[Connection, Chunk], Found]] = [
+    _messages_without_endpoint,
+    _misfiled_messages,
+    _duplicate_messages,
+    _messages_ahead_of_sender,
+    _endpoints_without,
+    _impossible_states,
+    _transmissions_after_end,
+]
 
 
-def _find(broker: BrokerContext, conn: Connection) -> list[Problem]:
+def _once(broker: BrokerContext) -> list[Callable[[Connection], Found]]:
+    """The checks that read what is small by nature (leases), run once."""
+    return [lambda conn: _dead_reader_leases(broker, conn), _stray_lease_marks]
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What :func:`run` found: the problems, how many endpoints it checked, how long it took."""
+
+    problems: list[Problem]
+    endpoints: int
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"checked {self.endpoints:,} conversation endpoints in {self.seconds:.1f} s"
+
+
+def _find(
+    broker: BrokerContext,
+    conn: Connection,
+    progress: Callable[[Progress], None] | None = None,
+    *,
+    chunk: int,
+    every: float,
+) -> tuple[list[Problem], int]:
+    from airflow_broker.operations.counts import bounded_count
+
+    started = time.monotonic()
+    total = bounded_count(conn, _e)
+    listed: dict[str, list[Problem]] = {}
+    counts: dict[str, int] = {}
+
+    def found(kind: str, obj: str, detail: str) -> None:
+        counts[kind] = counts.get(kind, 0) + 1
+        if counts[kind] <= MAX_LISTED:
+            listed.setdefault(kind, []).append(Problem(kind, obj, detail))
+
+    def report(endpoints: int, done: bool = False) -> None:
+        seen = max(endpoints, total.value) if done else total.value
+        p = Progress(
+            endpoints,
+            seen,
+            total.estimated and not done,
+            time.monotonic() - started,
+            sum(counts.values()),
+            done,
+        )
+        log.info("consistency check: %s", p)
+        if progress is not None:
+            progress(p)
+
+    endpoints = 0
+    reported = started
+    for part, size in chunks(conn, chunk):
+        for check in _CHUNKED:
+            for kind, obj, detail in check(conn, part):
+                found(kind, obj, detail)
+        endpoints += size
+        if time.monotonic() - reported >= every:
+            reported = time.monotonic()
+            report(endpoints)
+    for once in _once(broker):
+        for kind, obj, detail in once(conn):
+            found(kind, obj, detail)
+    report(endpoints, done=True)
     problems: list[Problem] = []
-    for check in _checks(broker):
-        counts: dict[str, int] = {}
-        for kind, obj, detail in check(conn):
-            counts[kind] = counts.get(kind, 0) + 1
-            if counts[kind] <= MAX_LISTED:
-                problems.append(Problem(kind, obj, detail))
-        for kind, n in counts.items():
-            if n > MAX_LISTED:
-                problems.append(
-                    Problem(kind, f"{n - MAX_LISTED} more", f"not listed: {KINDS[kind]}")
-                )
-    return problems
+    for kind in KINDS:  # each kind's problems together, in the order the kinds are listed
+        problems += listed.get(kind, [])
+        if counts.get(kind, 0) > MAX_LISTED:
+            problems.append(
+                Problem(kind, f"{counts[kind] - MAX_LISTED} more", f"not listed: {KINDS[kind]}")
+            )
+    return problems, endpoints
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,20 +497,28 @@ def _repair(conn: Connection) -> None:
         )
 
 
-def check(broker: BrokerContext, *, repair: bool = False, record: bool = True) -> list[Problem]:
-    """Every problem found, in one consistent snapshot; with ``repair``, the repairable ones
-    (:data:`REPAIRS`) are fixed and reported with ``repaired=True``, the rest as they are.
-
-    :param record: write the outcome as a ``consistency_check`` event (the UI's overview shows
-        the last one); the check itself only reads.
-    """
-    found = _read(broker)
+def run(
+    broker: BrokerContext,
+    *,
+    repair: bool = False,
+    record: bool = True,
+    progress: Callable[[Progress], None] | None = None,
+    chunk: int = CHUNK,
+    every: float = PROGRESS_EVERY,
+) -> Report:
+    """:func:`check`, with what it took: the endpoints checked and the seconds. ``progress``
+    is called (and the ``airflow_broker`` logger told, at INFO) at most every ``every`` seconds
+    while the check works through the conversations ``chunk`` endpoints at a time, and once
+    at the end."""
+    started = time.monotonic()
+    found, endpoints = _read(broker, progress, chunk=chunk, every=every)
     if repair and any(p.kind in REPAIRS for p in found):
         with broker.engine.begin() as conn:
             _repair(conn)
         if any(p.kind == "dead_reader_lease" for p in found):
             run_due(broker)
-        still = {(p.kind, p.object) for p in _read(broker)}
+        again, _ = _read(broker, None, chunk=chunk, every=every)
+        still = {(p.kind, p.object) for p in again}
         found = [
             Problem(p.kind, p.object, p.detail, repaired=(p.kind, p.object) not in still)
             for p in found
@@ -442,15 +528,35 @@ def check(broker: BrokerContext, *, repair: bool = False, record: bool = True) -
             record_event(conn, EVENT, "broker", summary(found))
     for p in found:
         log.warning("consistency check: %s", p)
-    return found
+    report = Report(found, endpoints, time.monotonic() - started)
+    log.info("consistency check: %s: %s", report, summary(found))
+    return report
 
 
-def _read(broker: BrokerContext) -> list[Problem]:
+def check(broker: BrokerContext, *, repair: bool = False, record: bool = True) -> list[Problem]:
+    """Every problem found, in one consistent snapshot; with ``repair``, the repairable ones
+    (:data:`REPAIRS`) are fixed and reported with ``repaired=True``, the rest as they are.
+    The conversations are read :data:`CHUNK` endpoints at a time (nothing is held but the
+    problems listed), with progress logged; :func:`run` also says how long it took.
+
+    :param record: write the outcome as a ``consistency_check`` event (the UI's overview shows
+        the last one); the check itself only reads.
+    """
+    return run(broker, repair=repair, record=record).problems
+
+
+def _read(
+    broker: BrokerContext,
+    progress: Callable[[Progress], None] | None,
+    *,
+    chunk: int,
+    every: float,
+) -> tuple[list[Problem], int]:
     with broker.read_connection() as conn:
         if broker.dialect == "postgresql":
             conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
         try:
-            return _find(broker, conn)
+            return _find(broker, conn, progress, chunk=chunk, every=every)
         finally:
             conn.rollback()
 
@@ -468,4 +574,17 @@ def summary(problems: list[Problem]) -> str:
     return f"{len(problems)} problem{'s' if len(problems) != 1 else ''}: {listed}{tail}"
 
 
-__all__ = ["EVENT", "KINDS", "MAX_LISTED", "REPAIRS", "Problem", "check", "summary"]
+__all__ = [
+    "CHUNK",
+    "EVENT",
+    "KINDS",
+    "MAX_LISTED",
+    "PROGRESS_EVERY",
+    "REPAIRS",
+    "Problem",
+    "Progress",
+    "Report",
+    "check",
+    "run",
+    "summary",
+]
