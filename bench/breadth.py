@@ -24,8 +24,15 @@ Printed, each measured in this run:
 - ``target begin_dialog_batched_vs_send_batched: RATIO (goal >= 0.25)``: BEGIN DIALOG with a
   timer, 100 per transaction, dialogs per second, over batched SEND (100 dialogs per SEND),
   messages per second, both on ``open``;
+- ``target overview_1000_queues_ms: MS (goal <= 300)``: the broker page's overview API
+  (``GET /broker/api/overview``, the plugin's FastAPI app called in-process through its test
+  client, authorization stubbed), median, on ``open``; ``info page_api``: the other requests
+  the page makes on each refresh (a page of queues, of conversations, the counts by state,
+  the services), median each, on ``open``;
 - ``target check_1e6_open_s: SECONDS (goal <= 60)``: ``check()`` on ``open``;
-- ``info``: ``queue_status()`` and the broker page's overview on both.
+- ``info``: ``queue_status()`` and the broker page's overview on both, and ``queue_status()``
+  with the same queues and no conversation open (``queues``, a third clone made before the
+  dialogs were written): what the open conversations add to it.
 
 "1e6" in the names is the default population; with ``--open`` the lines say the count used.
 """
@@ -33,6 +40,7 @@ Printed, each measured in this run:
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -157,6 +165,46 @@ def _send_batched(broker: Broker, rounds: int) -> float:
     return rounds * 100 / (time.perf_counter() - started)
 
 
+#: What the broker page requests on each refresh, besides the overview (bench line page_api).
+PAGE_REQUESTS = {
+    "queues": "/broker/api/queues?limit=20",
+    "conversations": "/broker/api/conversations?limit=20",
+    "conversation_states": "/broker/api/conversations/states",
+    "services": "/broker/api/services",
+}
+
+
+def _page_api(broker: Broker, times: int) -> dict[str, list[float]]:
+    """The broker page's requests through the plugin's app in-process (FastAPI's test client),
+    the reading right granted without Airflow's auth manager: seconds per request, by name."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from airflow_broker.provider.plugin import URL_PREFIX
+    from airflow_broker.provider.plugin.api import create_app
+    from airflow_broker.provider.plugin.security import require_read
+
+    app = create_app(broker=broker)
+    app.dependency_overrides[require_read] = lambda: None
+    root = FastAPI()
+    root.mount(URL_PREFIX, app)
+    out: dict[str, list[float]] = {}
+    with TestClient(root) as http:
+
+        def get(path: str) -> None:
+            r = http.get(path)
+            assert r.status_code == 200, (path, r.status_code, r.text[:300])
+
+        for name, path in {"overview": "/broker/api/overview", **PAGE_REQUESTS}.items():
+            get(path)  # warm: the first request opens the connection, plans the statements
+            out[name] = _timed(functools.partial(get, path), times)
+    return out
+
+
+def _ms(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1000
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.breadth", description=__doc__)
     p.add_argument("--open", type=int, default=1_000_000, help="open dialogs with timers")
@@ -178,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dbs = {
             "none": server.create(none_tpl, "breadth", "none"),
             "open": server.create(open_tpl, "breadth", "open"),
+            "queues": server.create(open_tpl, "breadth", "queues"),  # the queues, none open
         }
         _open_dialogs(dbs["open"], args.open)
         _say(f"breadth: built {args.open:,} open dialogs, {args.queues} queues in "
@@ -221,6 +270,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"info {kind}: queue_status() {statistics.median(status) * 1000:.1f} ms, "
                     f"overview {statistics.median(view) * 1000:.1f} ms"
                 )
+            status_ms = {k: _ms(_timed(brokers[k].queue_status, args.repeat)) for k in dbs}
+            lines.append(
+                f"info queue_status: {status_ms['queues']:.1f} ms with {args.queues} queues and "
+                f"none open, {status_ms['open']:.1f} ms with {args.open:,} open"
+            )
+            page = _page_api(brokers["open"], args.repeat)
+            lines.append(
+                "info page_api: "
+                + ", ".join(f"{name} {_ms(times):.1f} ms" for name, times in page.items())
+            )
+            lines.append(
+                f"target overview_{args.queues}_queues_ms: {_ms(page['overview']):.1f} "
+                "(goal <= 300)"
+            )
             checked = _timed(brokers["open"].check, 1)[0]
             lines.append(f"target check_{scale}_open_s: {checked:.1f} (goal <= 60)")
         finally:

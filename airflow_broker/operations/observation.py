@@ -104,10 +104,25 @@ def queue_status(broker: BrokerContext) -> list[QueueStatus]:
     ``depth``, ``groups_ready`` and the oldest message count only messages a reader could take
     now; ``held`` and ``leased`` count the others apart, ``held_until`` is when the first held
     one can be taken again (see :class:`~airflow_broker.messaging.objects.QueueStatus` and
-    :mod:`~airflow_broker.storage.readiness`)."""
+    :mod:`~airflow_broker.storage.readiness`).
+
+    Its cost follows the number of queues and of waiting messages, never the number of
+    conversations (open ones hold no message): two statements, the queues' shown columns and
+    the waiting messages grouped by queue and state."""
     now = utcnow()
+    q = s.queue
+    # Only the columns shown: a thousand queues' activation settings (JSON) are not decoded.
+    columns = (
+        q.c.queue_id,
+        q.c.name,
+        q.c.status,
+        q.c.rollback_count,
+        q.c.poison_message_handling,
+        q.c.retention,
+    )
     with broker.read_connection() as conn:
-        rows = list(conn.execute(select(s.queue).order_by(s.queue.c.name)))
+        rows = conn.execute(select(*columns).order_by(q.c.name)).all()
+        # Waiting messages only (never the conversations, open or not): grouped by the database.
         counts = readiness.tally(conn, now=now)
     out = []
     for r in rows:
