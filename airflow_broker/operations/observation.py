@@ -174,9 +174,17 @@ def transmission_summary(broker: BrokerContext) -> list[TransmissionSummary]:
 
 
 def transmission_queue(broker: BrokerContext, limit: int | None = None) -> list[TransmissionRow]:
-    """Messages waiting to leave, oldest first, each with why it has not gone yet."""
-    t = s.transmission_queue
-    stmt = select(t).order_by(t.c.id)
+    """Messages waiting to leave, oldest first, each with why it has not gone yet. A message
+    that waits with others for one cause has that cause's next attempt."""
+    t, w = s.transmission_queue, s.transmission_wait
+    stmt = (
+        select(
+            *(c for c in t.c if c.name != "next_attempt_at"),
+            func.coalesce(t.c.next_attempt_at, w.c.next_attempt_at).label("next_attempt_at"),
+        )
+        .outerjoin(w, w.c.id == t.c.wait_id)
+        .order_by(t.c.id)
+    )
     if limit is not None:
         stmt = stmt.limit(limit)
     with broker.read_connection() as conn:

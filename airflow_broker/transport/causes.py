@@ -77,10 +77,12 @@ def record(
     waiting: list[tuple[Any, str, Key | None]],
     inboxed: set[int],
     now: datetime,
+    started: datetime,
 ) -> tuple[int, int]:
     """What a batch left waiting, recorded in its transaction: each row with its reason, those
     with a cause parked under it; causes its rows were tried for and that no longer hold them
-    released. Returns (rows parked, rows released)."""
+    released. ``started``: when the delivery pass began (a cause is one attempt more once per
+    pass). Returns (rows parked, rows released)."""
     t = _t
     if b.client_role is not None:  # a restricted role sees no causes: each row on its own
         waiting = [(r, why, None) for r, why, _ in waiting]
@@ -130,6 +132,7 @@ def record(
         reasons[wait_id] = rows[-1][1]
     # Rows that waited for a cause and were tried (the cause's probe, or all of them on a
     # retry_now pass): a cause that no longer holds one of them is cured, or has changed.
+    tried = {r.wait_id for rows in plan["rows"].values() for r in rows if r.wait_id is not None}
     cured = {
         r.wait_id
         for rows in plan["rows"].values()
@@ -141,7 +144,7 @@ def record(
         if wait_id in cured:
             waits.reset(conn, b.dialect, [wait_id], now)
         else:
-            _attempted(conn, wait_id, reasons[wait_id], now)
+            _attempted(conn, wait_id, reasons[wait_id], now, started, wait_id in tried)
     if released:
         b.note_due(now)
     return len(parked_under), released
@@ -174,17 +177,24 @@ def _wait_id(conn: Connection, key: Key, reason: str, now: datetime) -> int:
     )
 
 
-def _attempted(conn: Connection, wait_id: int, reason: str, now: datetime) -> None:
-    """A batch found cause ``wait_id`` holding its rows at ``now``: unless its next attempt is
-    later already (a probe moved it on), it is one attempt more and backs off."""
-    stmt = select(_w.c.attempts, _w.c.next_attempt_at).where(_w.c.id == wait_id)
+def _attempted(
+    conn: Connection, wait_id: int, reason: str, now: datetime, started: datetime, tried: bool
+) -> None:
+    """A batch of the pass that ``started`` found cause ``wait_id`` holding its rows at ``now``.
+    It is one attempt more, and backs off, when the batch tried rows that waited for it (its
+    probe, or every row on a ``retry_now`` pass) and no other batch of the pass counted it yet,
+    or when it was not waiting yet (new, or cured a while ago); rows that only join it wait
+    for its next attempt."""
+    stmt = select(_w.c.attempts, _w.c.next_attempt_at, _w.c.tried_at).where(_w.c.id == wait_id)
     if conn.dialect.name == "postgresql":
         stmt = stmt.with_for_update()
-    attempts, next_at = conn.execute(stmt).one()
+    attempts, next_at, tried_at = conn.execute(stmt).one()
     values: dict[str, Any] = {"reason": reason}
-    if next_at is None or aware(next_at) <= now:  # type: ignore[operator]
+    counted = tried_at is not None and aware(tried_at) >= started  # type: ignore[operator]
+    if (tried and not counted) or aware(next_at) <= now:  # type: ignore[operator]
         values["attempts"] = attempts + 1
         values["next_attempt_at"] = now + backoff(attempts + 1)
+        values["tried_at"] = started
         if attempts == 0:
             values["since"] = now
     conn.execute(update(_w).where(_w.c.id == wait_id).values(**values))
@@ -192,7 +202,8 @@ def _attempted(conn: Connection, wait_id: int, reason: str, now: datetime) -> No
 
 def probe_due(b: BrokerContext, now: datetime) -> int:
     """Causes whose next attempt is due: one dialog of each made due now, for the pass to try
-    for all of them, and the cause's next attempt moved on (one attempt more). Returns how many
+    for all of them (its recording counts the attempt). Until then the cause's next attempt is
+    one backoff step away, as it was: if the pass dies, it is tried again then. Returns how many
     causes are tried."""
     if b.client_role is not None:
         return 0
@@ -228,7 +239,7 @@ def probe_due(b: BrokerContext, now: datetime) -> int:
             conn.execute(
                 update(_w)
                 .where(_w.c.id == wait_id)
-                .values(attempts=attempts + 1, next_attempt_at=now + backoff(attempts + 1))
+                .values(next_attempt_at=now + backoff(max(attempts, 1)))
             )
     return len(due)
 

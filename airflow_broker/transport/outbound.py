@@ -78,6 +78,8 @@ class Transport:
         self.refused: str | None = None
         #: this pass: destinations that did not answer in time, and why
         self.hung: dict[str, str] = {}
+        #: when this pass started
+        self.started = utcnow()
 
     def after_push(self, address: str, sent: int) -> None:
         """Called after a far broker committed a batch of ``sent`` messages and before this
@@ -129,6 +131,7 @@ class Transport:
         budget = max_messages
         after: list[Any] = []
         self.hung = {}
+        self.started = utcnow()  # a cause of waiting is one attempt more once per pass
         # A restored or cloned copy delivers nothing between databases until an operator
         # decides (storage.identity): remote messages wait with the reason, local ones go on.
         self.refused = copy_refusal(self.b)
@@ -511,7 +514,7 @@ class Transport:
         waiting += [(r, why, causes.of_address(plan, r)) for r, why in plan["waiting"]]
         self._apply_answers(conn, me, answers, counts)
         self._late_notes(conn, late)
-        causes.record(conn, self.b, plan, waiting, inboxed, now)
+        causes.record(conn, self.b, plan, waiting, inboxed, now, self.started)
         counts["delayed"] += len(waiting)
         if waiting:
             self.b.note_due(now + RETRY_BASE)

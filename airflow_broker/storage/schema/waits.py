@@ -44,6 +44,8 @@ transmission_wait = Table(
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     # its rows' next attempt, one dialog's (a probe) for all of them
     Column("next_attempt_at", Timestamp, nullable=False),
+    # when the delivery pass that last tried it (counted as one attempt) started
+    Column("tried_at", Timestamp, nullable=True),
     Column("since", Timestamp, nullable=False),
     UniqueConstraint("kind", "destination", "detail"),
     comment=(

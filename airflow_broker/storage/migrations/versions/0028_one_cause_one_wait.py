@@ -38,6 +38,7 @@ def upgrade() -> None:
         sa.Column("reason", sa.Text(), server_default=sa.text("''"), nullable=False),
         sa.Column("attempts", sa.Integer(), server_default=sa.text("0"), nullable=False),
         sa.Column("next_attempt_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("tried_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("since", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_broker_transmission_wait")),
         sa.UniqueConstraint(
