@@ -1,8 +1,6 @@
-"""``check()`` streams (issue 46): it reads the conversations a chunk at a time, reports its
-progress while it does, and says how long it took; chunked, it still finds every problem.
-
-The chunk here is a few endpoints (the default is 50,000), so a handful of dialogs make many
-chunks; ``every=0`` reports after each one.
+"""``check()`` streams (issue 46): each check's rows come from a server-side cursor a batch at
+a time, it reports its progress while it works, and says how long it took; streamed in
+batches of 2 rows it still finds every problem. ``every=0`` reports after each check.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ def _count(broker: Broker) -> int:
         )
 
 
-def test_check_reports_its_progress_chunk_by_chunk_and_how_long_it_took(
+def test_check_reports_its_progress_check_by_check_and_how_long_it_took(
     busy: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
     total = _count(busy)
@@ -54,16 +52,16 @@ def test_check_reports_its_progress_chunk_by_chunk_and_how_long_it_took(
     assert report.endpoints == total
     assert report.seconds > 0
     assert str(report) == f"checked {total:,} conversation endpoints in {report.seconds:.1f} s"
-    # One report per chunk of 3 endpoints (the last chunk holds the rest), then the last one,
-    # marked done.
-    assert len(seen) == total // 3 + 2
-    checked = [p.endpoints for p in seen]
-    assert checked == sorted(checked) and checked[0] == 3 and checked[-1] == total
+    # One report after each check, the last one marked done.
+    assert [p.step for p in seen] == list(range(1, seen[0].steps + 1)) and seen[0].steps >= 9
     assert [p.done for p in seen] == [False] * (len(seen) - 1) + [True]
-    assert all(p.total == total and not p.estimated for p in seen)
-    assert str(seen[0]).startswith(f"3 of {total} conversation endpoints checked (")
+    assert all(p.endpoints == total and not p.estimated for p in seen)
+    seconds = [p.seconds for p in seen]
+    assert seconds == sorted(seconds)
+    assert str(seen[0]).startswith(f"1 of {seen[0].steps} checks done (")
+    assert str(seen[0]).endswith(f"0 problems so far; {total} conversation endpoints")
     logged = [r.getMessage() for r in caplog.records if "consistency check" in r.getMessage()]
-    assert any("conversation endpoints checked" in m for m in logged), logged
+    assert any("checks done" in m for m in logged), logged
     assert any(f"checked {total:,} conversation endpoints in" in m for m in logged), logged
 
 
@@ -74,7 +72,8 @@ def test_progress_is_reported_at_most_every_so_often(busy: Broker) -> None:
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))
-def test_chunked_the_check_still_finds_every_kind(busy: Broker, kind: str) -> None:
+def test_streamed_the_check_still_finds_every_kind(busy: Broker, kind: str) -> None:
+    """Rows fetched 2 at a time from the server-side cursor, or all at once: same problems."""
     CASES[kind](busy)
     whole = consistency.run(busy, record=False, chunk=10**6).problems
     chunked = consistency.run(busy, record=False, chunk=2).problems
@@ -82,11 +81,11 @@ def test_chunked_the_check_still_finds_every_kind(busy: Broker, kind: str) -> No
     assert sorted(map(str, chunked)) == sorted(map(str, whole))
 
 
-def test_the_listed_problems_of_a_kind_stay_bounded_across_chunks(
+def test_the_listed_problems_of_a_kind_stay_bounded(
     busy: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(consistency, "MAX_LISTED", 1)
-    CASES["impossible_state"](busy)  # every endpoint, in every chunk
+    CASES["impossible_state"](busy)  # every endpoint
     found = consistency.run(busy, record=False, chunk=2).problems
     mine = [p for p in found if p.kind == "impossible_state"]
     assert len(mine) == 2 and mine[1].object == f"{_count(busy) - 1} more", mine
@@ -109,7 +108,7 @@ def test_the_cli_prints_progress_to_stderr_and_the_time_it_took(broker_url: str,
         line.startswith("checked ") and "conversation endpoints in" in line and line.endswith(" s")
         for line in lines
     ), out
-    assert "checking: " in err and "conversation endpoints checked" in err, err
+    assert "checking: " in err and "checks done" in err, err
 
     code, out, err = run("--url", broker_url, "check", "--quiet")
     assert code == 0 and "checking: " not in err

@@ -5,33 +5,18 @@ Each check is one query for one kind of impossible state; what it finds becomes 
 single snapshot (REPEATABLE READ on PostgreSQL; SQLite's read transaction is one already), so a
 busy broker is not reported for what a concurrent transaction was in the middle of.
 
-The check streams: the conversation-handle space is cut into chunks of :data:`CHUNK`
-endpoints (one index read finds each chunk's end), and every check that reads conversations,
-their messages or their transmissions runs on one chunk at a time, so nothing is held but the
-problems listed (at most :data:`MAX_LISTED` of a kind). Progress (endpoints checked, of how
-many, seconds, problems so far) is logged at INFO and handed to a callback at most every
-:data:`PROGRESS_EVERY` seconds; :func:`run` returns the problems with the endpoints checked
-and the seconds it took (``airflow-broker check`` prints both).
-
-``repair=True`` fixes, in one transaction, the kinds whose fix cannot lose or invent a message
-(:data:`REPAIRS` says what each does), then checks again: a problem still there after the repair
-is reported as not repaired. Every other kind is reported for an operator to decide.
-
-The invariants, and where the engine keeps them:
-
-- every message belongs to an endpoint (writers of a conversation's messages and removers of its
-  endpoint serialize on the endpoint row: see :mod:`airflow_broker.messaging.tx_core`), in the
-  endpoint's queue and conversation group;
-- every endpoint has its conversation group, its queue and (unless it has ended on this side:
-  DROP SERVICE keeps those until their far side is told) its service, a known state, and
-  sequence numbers that never run ahead of what was sent;
-- a conversation that has ended or failed has nothing left to transmit but its closing message;
-- a receive lease without a live reader is counted by the next due-work pass;
-- a message or group marked by a lease is marked by one that exists.
+The check streams: each check is one statement over the snapshot, whose rows (the problems it
+finds) come from a server-side cursor :data:`CHUNK` at a time, so nothing is held but the
+problems listed (at most :data:`MAX_LISTED` of a kind, the rest counted). Progress (checks done
+of how many, seconds, problems so far, the endpoints there are) is logged at INFO and handed to
+a callback at most every :data:`PROGRESS_EVERY` seconds and after the last check; :func:`run`
+returns the problems with the endpoints checked and the seconds it took (``airflow-broker
+check`` prints both). Why not chunks of the handle space: :mod:`.check_chunks`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +29,7 @@ from sqlalchemy.engine import Connection
 from airflow_broker.constants import DIALOG_TIMER, END_DIALOG, ERROR, STATE_DESC
 from airflow_broker.messaging.duework import run_due
 from airflow_broker.messaging.events import record_event
-from airflow_broker.operations.check_chunks import Chunk, Progress, chunks, within
+from airflow_broker.operations.check_chunks import WHOLE, Chunk, Progress, within
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.context import BrokerContext
 
@@ -54,8 +39,8 @@ log = logging.getLogger("airflow_broker")
 MAX_LISTED = 200
 #: The ``broker_event`` row that records each check's outcome (the UI's overview shows the last).
 EVENT = "consistency_check"
-#: Conversation endpoints read per chunk (with their messages and transmissions).
-CHUNK = 50_000
+#: Rows a check's server-side cursor fetches at a time.
+CHUNK = 10_000
 #: Progress is reported at most this often, in seconds (and once at the end).
 PROGRESS_EVERY = 2.0
 
@@ -358,7 +343,7 @@ def _stray_lease_marks(conn: Connection) -> Found:
             )
 
 
-#: The checks that read conversations, run chunk by chunk of the conversation-handle space.
+#: The checks that read conversations (each over a range of the handle space: all of it).
 _CHUNKED: list[Callable[[Connection, Chunk], Found]] = [
     _messages_without_endpoint,
     _misfiled_messages,
@@ -368,6 +353,10 @@ _CHUNKED: list[Callable[[Connection, Chunk], Found]] = [
     _impossible_states,
     _transmissions_after_end,
 ]
+
+
+def _whole(check: Callable[[Connection, Chunk], Found], conn: Connection) -> Found:
+    return check(conn, WHOLE)
 
 
 def _once(broker: BrokerContext) -> list[Callable[[Connection], Found]]:
@@ -398,43 +387,32 @@ def _find(
     from airflow_broker.operations.counts import bounded_count
 
     started = time.monotonic()
-    total = bounded_count(conn, _e)
+    endpoints = bounded_count(conn, _e)
     listed: dict[str, list[Problem]] = {}
     counts: dict[str, int] = {}
-
-    def found(kind: str, obj: str, detail: str) -> None:
-        counts[kind] = counts.get(kind, 0) + 1
-        if counts[kind] <= MAX_LISTED:
-            listed.setdefault(kind, []).append(Problem(kind, obj, detail))
-
-    def report(endpoints: int, done: bool = False) -> None:
-        seen = max(endpoints, total.value) if done else total.value
-        p = Progress(
-            endpoints,
-            seen,
-            total.estimated and not done,
-            time.monotonic() - started,
-            sum(counts.values()),
-            done,
-        )
-        log.info("consistency check: %s", p)
-        if progress is not None:
-            progress(p)
-
-    endpoints = 0
+    # Rows come from a server-side cursor, ``chunk`` at a time: only problems listed are kept.
+    streamed = conn.execution_options(yield_per=chunk)
+    steps: list[tuple[str, Callable[[Connection], Found]]] = [
+        (check.__name__.strip("_"), functools.partial(_whole, check)) for check in _CHUNKED
+    ]
+    steps += [("dead_reader_leases", _once(broker)[0]), ("stray_lease_marks", _once(broker)[1])]
     reported = started
-    for part, size in chunks(conn, chunk):
-        for check in _CHUNKED:
-            for kind, obj, detail in check(conn, part):
-                found(kind, obj, detail)
-        endpoints += size
-        if time.monotonic() - reported >= every:
-            reported = time.monotonic()
-            report(endpoints)
-    for once in _once(broker):
-        for kind, obj, detail in once(conn):
-            found(kind, obj, detail)
-    report(endpoints, done=True)
+    for n, (name, check) in enumerate(steps, 1):
+        for kind, obj, detail in check(streamed):
+            counts[kind] = counts.get(kind, 0) + 1
+            if counts[kind] <= MAX_LISTED:
+                listed.setdefault(kind, []).append(Problem(kind, obj, detail))
+        now = time.monotonic()
+        last = n == len(steps)
+        if last or now - reported >= every:
+            reported = now
+            p = Progress(
+                n, len(steps), name, endpoints.value, endpoints.estimated, now - started,
+                sum(counts.values()), last,
+            )  # fmt: skip
+            log.info("consistency check: %s", p)
+            if progress is not None:
+                progress(p)
     problems: list[Problem] = []
     for kind in KINDS:  # each kind's problems together, in the order the kinds are listed
         problems += listed.get(kind, [])
@@ -442,7 +420,7 @@ def _find(
             problems.append(
                 Problem(kind, f"{counts[kind] - MAX_LISTED} more", f"not listed: {KINDS[kind]}")
             )
-    return problems, endpoints
+    return problems, endpoints.value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,10 +484,10 @@ def run(
     chunk: int = CHUNK,
     every: float = PROGRESS_EVERY,
 ) -> Report:
-    """:func:`check`, with what it took: the endpoints checked and the seconds. ``progress``
-    is called (and the ``airflow_broker`` logger told, at INFO) at most every ``every`` seconds
-    while the check works through the conversations ``chunk`` endpoints at a time, and once
-    at the end."""
+    """:func:`check`, with what it took: the endpoints there are and the seconds. ``progress``
+    is called (and the ``airflow_broker`` logger told, at INFO) at most every ``every``
+    seconds, after a check, and once at the end; each check's rows come ``chunk`` at a time
+    from a server-side cursor."""
     started = time.monotonic()
     found, endpoints = _read(broker, progress, chunk=chunk, every=every)
     if repair and any(p.kind in REPAIRS for p in found):
@@ -536,8 +514,8 @@ def run(
 def check(broker: BrokerContext, *, repair: bool = False, record: bool = True) -> list[Problem]:
     """Every problem found, in one consistent snapshot; with ``repair``, the repairable ones
     (:data:`REPAIRS`) are fixed and reported with ``repaired=True``, the rest as they are.
-    The conversations are read :data:`CHUNK` endpoints at a time (nothing is held but the
-    problems listed), with progress logged; :func:`run` also says how long it took.
+    Each check streams its rows (nothing is held but the problems listed), with progress
+    logged; :func:`run` also says how long it took.
 
     :param record: write the outcome as a ``consistency_check`` event (the UI's overview shows
         the last one); the check itself only reads.
@@ -555,6 +533,9 @@ def _read(
     with broker.read_connection() as conn:
         if broker.dialect == "postgresql":
             conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
+            # The checks' server-side cursors read every row: plan them for all of it (hash
+            # joins over sequential scans), not for the first tenth (nested index loops).
+            conn.execute(text("SET LOCAL cursor_tuple_fraction = 1.0"))
         try:
             return _find(broker, conn, progress, chunk=chunk, every=every)
         finally:
