@@ -74,10 +74,10 @@ class WatchedTrigger(QueueActivationTrigger):
         self.looking_since: float | None = None
         self.looks = 0
 
-    def _look(self, broker: Any, monitor: Any) -> Any:  # type: ignore[override]
+    async def _next_look(self, *args: Any) -> Any:
         self.looking_since = time.monotonic()
         try:
-            return QueueActivationTrigger._look(broker, monitor)
+            return await super()._next_look(*args)
         finally:
             self.looking_since = None
             self.looks += 1
@@ -166,6 +166,9 @@ def test_a_hung_database_does_not_delay_the_triggers_of_other_databases(
     for conn_id, url in urls.items():
         conn = json.dumps({"conn_type": "broker", "extra": {"url": url}})
         monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", conn)
+    # Every trigger polls at its poll interval, idle or not (an idle queue's trigger that
+    # LISTENs polls only every IDLE_POLL_SECONDS): the hung ones must look, and hang, at once.
+    monkeypatch.setattr(trigger_module, "IDLE_POLL_SECONDS", 0.0)
     brokers = {
         "hung": new_broker(hung_url),
         "hung_late": new_broker(late_url),

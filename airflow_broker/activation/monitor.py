@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import and_, insert, select, update
+from sqlalchemy import and_, insert, select, text, update
 from sqlalchemy.engine import Connection
 
 from airflow_broker.activation.decision import ACTIVATION_KEY, MonitorState, check_mode, decide
 from airflow_broker.activation.ledger import _a, _r, counts, lock_queue, observe, queue_row, tidy
+from airflow_broker.constants import STATUS_READY
 from airflow_broker.errors import InvalidDefinition
 from airflow_broker.messaging.duework import run_due
 from airflow_broker.operations.sampling import sample_step
+from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 
 if TYPE_CHECKING:
@@ -187,6 +190,63 @@ class Monitor:
             running=live + starting,
             fire_id=fire_id,
         )
+
+
+def idle_monitors(
+    broker: BrokerContext, monitors: Sequence[tuple[int, str]]
+) -> set[tuple[int, str]]:
+    """Of ``monitors`` (queue id, monitor key), those with nothing to do: no message waits in
+    the queue (ready, held or leased), no reader of it is starting, running or unaccounted
+    for, and the monitor's last look recorded it empty. :meth:`Monitor.check` would neither
+    fire nor write anything for them (bar purging reader rows finished long ago, which its next
+    real look does), in any mode; and only a new message can change that (its INSERT notifies
+    the queue's channel). A trigger holding many queues asks this once for all of them (one
+    statement) and makes its full look only for the others. A queue id that no longer exists
+    is not idle: its look by name reports what happened."""
+    wanted = list(dict.fromkeys(monitors))
+    if not wanted:
+        return set()
+    with broker.read_connection() as conn:
+        if conn.dialect.name == "postgresql":
+            rows = conn.execute(
+                _IDLE_PG,
+                {"ids": [qid for qid, _ in wanted], "keys": [key for _, key in wanted]},
+            ).all()
+        else:
+            a, q, m = _a, s.queue, s.message
+            waiting = select(m.c.queue_id).where(
+                m.c.queue_id == q.c.queue_id, m.c.status == STATUS_READY
+            )
+            reading = select(_r.c.queue_id).where(
+                _r.c.queue_id == q.c.queue_id, _r.c.finished_at.is_(None)
+            )
+            rows = conn.execute(
+                select(a.c.queue_id, a.c.monitor_key)
+                .join(q, q.c.queue_id == a.c.queue_id)
+                .where(
+                    a.c.queue_id.in_(sorted({qid for qid, _ in wanted})),
+                    a.c.last_depth == 0,
+                    ~waiting.exists(),
+                    ~reading.exists(),
+                )
+            ).all()
+    return {(row[0], row[1]) for row in rows} & set(wanted)
+
+
+# One statement for a thousand monitors: the pairs travel as two arrays (an IN list of 2,000
+# parameters costs more to send and convert than the query takes to run).
+_IDLE_PG = text(
+    """
+    SELECT a.queue_id, a.monitor_key
+    FROM unnest(CAST(:ids AS integer[]), CAST(:keys AS text[])) AS w(queue_id, monitor_key)
+    JOIN broker_activation a ON a.queue_id = w.queue_id AND a.monitor_key = w.monitor_key
+    WHERE a.last_depth = 0
+      AND NOT EXISTS (SELECT 1 FROM broker_message m
+                      WHERE m.queue_id = a.queue_id AND m.status = :ready)
+      AND NOT EXISTS (SELECT 1 FROM broker_activation_reader r
+                      WHERE r.queue_id = a.queue_id AND r.finished_at IS NULL)
+    """
+).bindparams(ready=STATUS_READY)
 
 
 def due_step(broker: BrokerContext, every: float = 1.0) -> None:

@@ -16,12 +16,16 @@ Everything the monitor knows is in the broker database (tables ``broker_activati
 the same trigger, does not fire again for messages already fired for.
 
 How it waits: on PostgreSQL it LISTENs on the queue's channel (``airflow_broker_q<queue_id>``,
-notified by a trigger on ``broker_message`` whenever ready messages are written) through one
-psycopg async connection per queue and process, shared by every trigger waiting on that queue;
-``poll_interval`` is then only the fallback. On SQLite it polls every ``poll_interval``. The
-blocking database work runs in threads of its own per database (:func:`in_database`: a database
-that hangs ties up only its own triggers); the brokers are shared by the
-triggers of one process on the same database and closed when the last one is cleaned up.
+notified by a trigger on ``broker_message`` whenever ready messages are written) through the
+one LISTEN connection that every trigger of its event loop on that database shares
+(:mod:`~airflow_broker.provider.triggers.hub`); ``poll_interval`` is then only the fallback, and
+while the queue is idle (nothing waits, no reader: only a new message, which notifies, can
+change that) the fallback is every :data:`IDLE_POLL_SECONDS`. On SQLite it polls every
+``poll_interval``. Looks are batched: the triggers that look in the same turn of the event loop
+learn which of them have anything to do from one statement (:func:`idle_monitors`), and only
+those make their full look, in the database's few threads (:func:`in_database`: a database
+that hangs ties up only its own triggers). The brokers are shared by the triggers of one
+process on the same database and closed when the last one is cleaned up.
 
 When the server ends a LISTEN connection (a restart, ``pg_terminate_backend``), the listener logs
 one warning naming the channel and the error, connects again at once and then every
@@ -35,37 +39,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import os
 import threading
-import weakref
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import DBAPIError
 
 from airflow_broker.activation import ACTIVATION_KEY, Fire, Monitor, check_mode, due_step
-from airflow_broker.activation.runner import LISTEN_RECONNECT_SECONDS
+from airflow_broker.activation.monitor import idle_monitors
 from airflow_broker.errors import BrokerError, InvalidDefinition
-from airflow_broker.provider.compat import (
-    Asset,
-    AssetWatcher,
-    BaseEventTrigger,
-    TriggerEvent,
-    to_thread_in,
+from airflow_broker.provider.compat import Asset, AssetWatcher, BaseEventTrigger, TriggerEvent
+from airflow_broker.provider.triggers.hub import (
+    IDLE,
+    Hub,
+    Looks,
+    _executor,
+    aligned,
+    database_key,
+    hub,
+    in_database,
+    looks,
+    release,
 )
+from airflow_broker.provider.triggers.hub import _listeners as _listeners  # tests look at it
 from airflow_broker.storage.adapters import PostgresAdapter, channel
 
 if TYPE_CHECKING:
     from airflow_broker.broker import Broker
 
 log = logging.getLogger("airflow_broker")
-_R = TypeVar("_R")
 
 #: Longest pause after a database error before the trigger tries again.
 MAX_BACKOFF = 30.0
+#: The fallback poll of a trigger whose queue is idle (nothing waits, no reader) while its
+#: LISTEN works: only a new message, which notifies, can change that.
+IDLE_POLL_SECONDS = 60.0
 #: How long a trigger polls after its first LISTEN failed before it tries to LISTEN again (a
 #: listener that worked and lost its connection reconnects every LISTEN_RECONNECT_SECONDS).
 LISTEN_RETRY_SECONDS = 30.0
@@ -85,12 +96,17 @@ _brokers: dict[str, _Shared] = {}
 _brokers_lock = threading.Lock()
 
 
+_opening: dict[str, threading.Lock] = {}
+
+
 def acquire_broker(broker_conn_id: str) -> Broker:
     """The broker of an Airflow connection, shared with this process's other triggers on the
     same database (blocking: call it in a thread). Release it with :func:`release_broker`.
 
-    The broker is opened (its first connection made) outside the lock that guards the shared
-    ones: a database that hangs holds up only the triggers that use it."""
+    One trigger at a time opens a database's broker (its first connection made), the others
+    on that database wait for it and share it: a thousand triggers starting at once make one
+    connection, not one each. The opening holds no lock that the triggers of other databases
+    take: a database that hangs holds up only the triggers that use it."""
     from airflow_broker.hooks.broker import BrokerHook
 
     hook = BrokerHook(broker_conn_id=broker_conn_id)
@@ -100,38 +116,17 @@ def acquire_broker(broker_conn_id: str) -> Broker:
         if shared is not None:
             shared.refs += 1
             return shared.broker
-    opened = hook.get_broker()
-    with _brokers_lock:
-        shared = _brokers.get(url)
-        if shared is None:
-            shared = _brokers[url] = _Shared(opened)
-            opened = None
-        shared.refs += 1
-    if opened is not None:
-        opened.dispose()  # another trigger opened it meanwhile
-    return shared.broker
-
-
-#: Threads per broker database for the triggers' blocking work on it.
-DATABASE_THREADS = 4
-_executors: dict[str, ThreadPoolExecutor] = {}
-
-
-def _executor(key: str) -> ThreadPoolExecutor:
-    with _brokers_lock:
-        found = _executors.get(key)
-        if found is None:
-            found = _executors[key] = ThreadPoolExecutor(
-                DATABASE_THREADS, thread_name_prefix="airflow-broker-db"
-            )
-        return found
-
-
-async def in_database(key: str, func: Callable[..., _R], *args: Any) -> _R:
-    """Run a trigger's blocking work on a broker database in that database's own threads
-    (:data:`DATABASE_THREADS`, keyed by ``key``: the Airflow connection id): a database that
-    hangs ties up its own threads, never those the triggers of other databases wait on."""
-    return await to_thread_in(_executor(key), func, *args)
+        opening = _opening.setdefault(url, threading.Lock())
+    with opening:
+        with _brokers_lock:
+            shared = _brokers.get(url)
+            if shared is not None:
+                shared.refs += 1
+                return shared.broker
+        opened = hook.get_broker()
+        with _brokers_lock:
+            _brokers[url] = _Shared(opened, refs=1)
+        return opened
 
 
 async def hold_broker(key: str, opener: Callable[[], Broker]) -> Broker:
@@ -151,13 +146,6 @@ async def hold_broker(key: str, opener: Callable[[], Broker]) -> Broker:
         raise
 
 
-def _forget_in_child() -> None:
-    _executors.clear()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
 def release_broker(broker: Broker) -> None:
     """Give back a broker from :func:`acquire_broker`; the last one out disposes of it.
     Brokers that did not come from there (a test's own) are left alone."""
@@ -172,111 +160,19 @@ def release_broker(broker: Broker) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Waiting: one LISTEN connection per event loop, database and queue
+# Waiting: one LISTEN connection per event loop and database (hub.Hub)
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(eq=False)
-class _Listener:
-    """A psycopg async connection LISTENing on one queue's channel; wakes its subscribers.
-
-    It keeps listening for as long as it is open: when the server ends its connection it
-    connects again (at once, then every :data:`LISTEN_RECONNECT_SECONDS`), LISTENs again and
-    wakes its subscribers, whose callers look at the queue again (see the module docstring).
-    """
-
-    params: dict[str, Any]
-    channel: str
-    subscribers: set[asyncio.Event] = field(default_factory=set)
-    refs: int = 0
-    conn: Any = None
-    task: asyncio.Task[None] | None = None
-    ready: asyncio.Future[None] | None = None
-    #: closed for good (by its last subscriber, or its first LISTEN failed)
-    broken: bool = False
-    #: times it listened again after losing its connection
-    reconnects: int = 0
-
-    async def open(self) -> None:
-        await self._connect()
-        self.task = asyncio.create_task(self._listen(), name=f"airflow-broker-{self.channel}")
-
-    async def _connect(self) -> None:
-        import psycopg
-
-        conn = await psycopg.AsyncConnection.connect(autocommit=True, **self.params)
-        try:
-            await conn.execute(f'LISTEN "{self.channel}"')  # our channel name, never user text
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await conn.close()
-            raise
-        self.conn = conn
-
-    async def _listen(self) -> None:
-        while True:
-            error: object = "the connection ended"
-            try:
-                async for _note in self.conn.notifies():
-                    self.wake()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                error = exc
-            log.warning(
-                "LISTEN on %s lost (%s): connecting again every %g s, polling meanwhile",
-                self.channel,
-                str(error).strip(),
-                LISTEN_RECONNECT_SECONDS,
-            )
-            await self._reconnect()
-            self.reconnects += 1
-            log.info("LISTEN on %s again", self.channel)
-            self.wake()  # what was notified while the connection was away is lost: look again
-
-    async def _reconnect(self) -> None:
-        """Until connected and listening again: at once, then every LISTEN_RECONNECT_SECONDS."""
-        lost, self.conn = self.conn, None
-        if lost is not None:
-            with contextlib.suppress(Exception):
-                await lost.close()
-        while True:
-            try:
-                await self._connect()
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # reported once, when the connection was lost
-                log.debug("LISTEN on %s: cannot connect yet (%s)", self.channel, exc)
-            await asyncio.sleep(LISTEN_RECONNECT_SECONDS)
-
-    def wake(self) -> None:
-        for event in list(self.subscribers):
-            event.set()
-
-    async def close(self) -> None:
-        self.broken = True
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.wait({self.task})  # without raising its CancelledError here
-        if self.conn is not None:
-            with contextlib.suppress(Exception):
-                await self.conn.close()
-
-
-_listeners: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], _Listener]]
-_listeners = weakref.WeakKeyDictionary()
-
-
 def _connect_params(broker: Broker) -> tuple[str, dict[str, Any]] | None:
-    """Where to LISTEN for ``broker``: the key of its listeners and psycopg's parameters; None
-    behind a transaction-mode pooler with no ``listen_url`` (storage.pooler): then it polls."""
+    """Where to LISTEN for ``broker``: its database key and psycopg's parameters; None behind
+    a transaction-mode pooler with no ``listen_url`` (storage.pooler): then it polls."""
     adapter = broker.adapter
     assert isinstance(adapter, PostgresAdapter)
     params = adapter.session_params()
     if params is None:
         return None
-    return broker.engine.url.render_as_string(hide_password=False), params
+    return database_key(broker), params
 
 
 class QueueWaiter:
@@ -284,7 +180,8 @@ class QueueWaiter:
     ``poll_interval`` seconds, whichever comes first.
 
     Call :meth:`clear` before looking at the queue and :meth:`wait` after: a NOTIFY that
-    arrives while the caller looks is not lost.
+    arrives while the caller looks is not lost. The waiters of one event loop and database
+    share one LISTEN connection (:class:`~airflow_broker.provider.triggers.hub.Hub`).
     """
 
     def __init__(
@@ -301,8 +198,7 @@ class QueueWaiter:
         #: the NOTIFY channel (default: the queue's; the transmitter's is TRANSMIT_CHANNEL)
         self.channel_name = channel_name or channel(queue_id)
         self.event = asyncio.Event()
-        self._listener: _Listener | None = None
-        self._key: tuple[str, str] | None = None
+        self._listener: Hub | None = None
         #: when to try LISTEN again after it failed (loop time; None: not failed)
         self._retry_at: float | None = None
 
@@ -311,67 +207,54 @@ class QueueWaiter:
             return
         loop = asyncio.get_running_loop()
         self._retry_at = loop.time() + LISTEN_RETRY_SECONDS  # cleared once listening
-        where = await in_database(str(self.broker.engine.url), _connect_params, self.broker)
+        where = await in_database(database_key(self.broker), _connect_params, self.broker)
         if where is None:
             self._retry_at = None  # behind a pooler: poll every poll_interval, for good
             return
-        url, params = where
-        key = (url, self.channel_name)
-        table = _listeners.setdefault(loop, {})
-        listener = table.get(key)
-        if listener is None or listener.broken:
-            listener = table[key] = _Listener(params, key[1])
-            listener.ready = loop.create_future()
-            try:
-                await listener.open()
-            except Exception as exc:
-                log.warning("cannot LISTEN on %s (%s): polling instead", key[1], exc)
-                listener.broken = True
-                table.pop(key, None)
-                listener.ready.set_result(None)
-                return
-            listener.ready.set_result(None)
-        elif listener.ready is not None and not listener.ready.done():
-            await asyncio.shield(listener.ready)
-            if listener.broken:
-                return
-        listener.refs += 1
-        listener.subscribers.add(self.event)
-        self._listener, self._key = listener, key
+        found = hub(*where)
+        if not await found.subscribe(self.channel_name, self.event):
+            await release(found)
+            return
+        self._listener = found
         self._retry_at = None
 
     def clear(self) -> None:
         self.event.clear()
 
-    async def wait(self, timeout: float | None = None) -> None:
-        """Until a NOTIFY, the listener listening again after it lost its connection, or
-        ``poll_interval`` (or the shorter ``timeout``) seconds."""
+    async def wait(self, timeout: float | None = None, *, idle: bool = False) -> bool:
+        """Until a NOTIFY, the listener listening again after it lost its connection, or the
+        next multiple of ``poll_interval`` on the loop's clock (:func:`hub.aligned`; or
+        ``timeout`` seconds, if shorter).
+
+        ``idle``: the last look found nothing that only time can change (an empty queue, no
+        reader: :func:`~airflow_broker.activation.monitor.idle_monitors`), so while LISTEN
+        works only a NOTIFY can bring news, and the fallback poll is every
+        :data:`IDLE_POLL_SECONDS` instead. Returns whether it was woken (not timed out)."""
         listener = self._listener
+        loop = asyncio.get_running_loop()
         if listener is not None and listener.broken:
             await self.close()
             await self.open()  # a closed listener: open another (or poll for a while)
-        elif self._retry_at is not None and asyncio.get_running_loop().time() >= self._retry_at:
+        elif self._retry_at is not None and loop.time() >= self._retry_at:
             await self.open()
-        limit = self.poll_interval if timeout is None else min(timeout, self.poll_interval)
+        every = self.poll_interval
+        if idle and self._listener is not None and not self._listener.broken:
+            every = max(every, IDLE_POLL_SECONDS)
+        limit = aligned(every, loop.time())
+        if timeout is not None:
+            limit = min(timeout, limit)
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that
         # arrives in the loop turn the event is set in (a NOTIFY as the triggerer cancels the
         # trigger), and the cancelled trigger then runs on for good.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(limit, 0.0)):
                 await self.event.wait()
+        return self.event.is_set()
 
     async def close(self) -> None:
-        listener, key = self._listener, self._key
-        self._listener = self._key = None
-        if listener is None or key is None:
-            return
-        listener.subscribers.discard(self.event)
-        listener.refs -= 1
-        if listener.refs <= 0:
-            table = _listeners.get(asyncio.get_running_loop(), {})
-            if table.get(key) is listener:
-                del table[key]
-            await listener.close()
+        listener, self._listener = self._listener, None
+        if listener is not None and listener.unsubscribe(self.channel_name, self.event):
+            await release(listener)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,16 +351,37 @@ class QueueActivationTrigger(BaseEventTrigger):
         due_step(broker)  # timers fire on queues nobody reads, and then activate them
         return monitor.check()
 
+    async def _next_look(
+        self, batch: Looks, broker: Broker, monitor: Monitor, notified: bool = False
+    ) -> Any:
+        """One look at the queue, batched with those of the other triggers on its database
+        that look in the same turn: a queue with nothing to do (:func:`idle_monitors`) needs
+        no look of its own. The first look is always a full one: it finds the queue's id,
+        whose channel the trigger then LISTENs on; so is a look after a NOTIFY (``notified``):
+        a message came."""
+        if monitor.queue_id is None or notified:
+            return await in_database(batch.key, self._look, broker, monitor)
+        return await batch.ask(
+            idle_monitors,
+            (monitor.queue_id, self.monitor_key),
+            functools.partial(self._look, broker, monitor),
+        )
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
         broker = self._held = await hold_broker(self.broker_conn_id, self._broker)
         monitor = self._monitor(broker)
+        batch = looks(broker, due_step)
         failures = 0
+        notified = False
         try:
             while True:
                 if self._waiter is not None:
                     self._waiter.clear()
                 try:
-                    fire = await in_database(self.broker_conn_id, self._look, broker, monitor)
+                    fire = await self._next_look(batch, broker, monitor, notified)
+                    idle = fire is IDLE
+                    if idle:
+                        fire = None
                     failures = 0
                 except (DBAPIError, BrokerError) as exc:
                     # The queue not declared yet, the database restarting...: keep watching.
@@ -505,7 +409,7 @@ class QueueActivationTrigger(BaseEventTrigger):
                     await self._waiter.open()
                     continue  # look once more now that a NOTIFY cannot be missed
                 if self._waiter is not None:
-                    await self._waiter.wait()
+                    notified = await self._waiter.wait(idle=idle)
                 else:
                     await asyncio.sleep(self.poll_interval)
         finally:

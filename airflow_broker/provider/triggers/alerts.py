@@ -38,9 +38,9 @@ from airflow_broker.provider.triggers.activation import (
     MAX_BACKOFF,
     acquire_broker,
     hold_broker,
-    in_database,
     release_broker,
 )
+from airflow_broker.provider.triggers.hub import database_key, in_database
 
 if TYPE_CHECKING:
     from airflow_broker.broker import Broker
@@ -116,7 +116,7 @@ class BrokerAlertTrigger(BaseEventTrigger):
         try:
             while True:
                 try:
-                    raised = await in_database(self.broker_conn_id, self._look, broker)
+                    raised = await in_database(database_key(broker), self._look, broker)
                     failures = 0
                 except (DBAPIError, BrokerError) as exc:
                     failures += 1

@@ -16,9 +16,10 @@ that a conversation timer fires (its DialogTimer is a message) even when no read
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
@@ -34,9 +35,9 @@ from airflow_broker.provider.triggers.activation import (
     QueueWaiter,
     acquire_broker,
     hold_broker,
-    in_database,
     release_broker,
 )
+from airflow_broker.provider.triggers.hub import IDLE, in_database, looks
 from airflow_broker.storage import schema as s
 
 if TYPE_CHECKING:
@@ -111,6 +112,27 @@ def conversation_ready(
     return None
 
 
+def idle_conversations(broker: Broker, handles: Sequence[str]) -> set[str]:
+    """Of the conversations ``handles`` (as text), those with nothing for their trigger: the
+    endpoint exists and is not closed, and no message waits on it. The triggers waiting on
+    many conversations of one queue are all woken by a message to any of them: this sorts them
+    out in one statement, and only the others make their full look."""
+    by_id = {as_uuid(h, "conversation handle"): h for h in handles}
+    if not by_id:
+        return set()
+    e, m = s.conversation_endpoint, s.message
+    waiting = select(m.c.conversation_handle).where(
+        m.c.conversation_handle == e.c.conversation_handle, m.c.status == STATUS_READY
+    )
+    with broker.read_connection() as conn:
+        rows = conn.execute(
+            select(e.c.conversation_handle).where(
+                e.c.conversation_handle.in_(list(by_id)), e.c.state != "CD", ~waiting.exists()
+            )
+        ).scalars()
+        return {by_id[handle] for handle in rows if handle in by_id}
+
+
 class ConversationMessageTrigger(BaseTrigger):
     """Fires once a message is ready on ``conversation_handle`` (not received).
 
@@ -159,13 +181,21 @@ class ConversationMessageTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         broker = self._held = await hold_broker(self.broker_conn_id, self._broker)
+        batch = looks(broker, due_step)
         failures = 0
         try:
             while True:
                 if self._waiter is not None:
                     self._waiter.clear()
                 try:
-                    found, queue_id = await in_database(self.broker_conn_id, self._look, broker)
+                    if self._waiter is None:
+                        looked = await in_database(batch.key, self._look, broker)
+                    else:
+                        looked = await batch.ask(
+                            idle_conversations,
+                            self.conversation_handle,
+                            functools.partial(self._look, broker),
+                        )
                     failures = 0
                 except DBAPIError as exc:
                     failures += 1
@@ -184,9 +214,11 @@ class ConversationMessageTrigger(BaseTrigger):
                         }
                     )
                     return
-                if found is not None:
-                    yield TriggerEvent(found)
-                    return
+                if looked is not IDLE:  # idle: nothing yet (polled still: an END writes none)
+                    found, queue_id = looked
+                    if found is not None:
+                        yield TriggerEvent(found)
+                        return
                 if self._waiter is None:
                     self._waiter = QueueWaiter(broker, queue_id, self.poll_interval)
                     await self._waiter.open()

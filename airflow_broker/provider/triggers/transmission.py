@@ -39,9 +39,9 @@ from airflow_broker.provider.triggers.activation import (
     QueueWaiter,
     acquire_broker,
     hold_broker,
-    in_database,
     release_broker,
 )
+from airflow_broker.provider.triggers.hub import database_key, in_database
 from airflow_broker.storage.adapters import TRANSMIT_CHANNEL
 from airflow_broker.storage.clock import utcnow
 
@@ -111,7 +111,7 @@ class TransmissionTrigger(BaseEventTrigger):
             while True:
                 self._waiter.clear()
                 try:
-                    fire, seen = await in_database(self.broker_conn_id, self._look, broker)
+                    fire, seen = await in_database(database_key(broker), self._look, broker)
                     failures = 0
                 except (DBAPIError, BrokerError) as exc:
                     # The database restarting, not migrated yet...: keep watching.
