@@ -46,6 +46,9 @@ log = logging.getLogger("airflow_broker")
 
 #: Closed endpoints are kept this long (duplicate detection, as Service Broker does), then purged.
 CLOSED_ENDPOINT_RETENTION = timedelta(minutes=30)
+#: How many conversation groups on each side of a random id a purge looks at for being empty,
+#: besides those of the endpoints it removed (DueWork.purge_closed).
+GROUP_WINDOW = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,18 +347,41 @@ class DueWork:
         if not handles:
             return 0
         self.conn.execute(delete(m).where(m.c.conversation_handle.in_(handles)))
-        result = self.conn.execute(delete(e).where(e.c.conversation_handle.in_(handles)))
+        left = self.conn.execute(
+            delete(e)
+            .where(e.c.conversation_handle.in_(handles))
+            .returning(e.c.conversation_group_id)
+        ).scalars()
+        groups = set(left)
         g = s.conversation_group
         empty = ~exists().where(e.c.conversation_group_id == g.c.conversation_group_id)
         if self.b.dialect == "postgresql":
+            # The groups the purged endpoints were in, and a window of the others (groups a
+            # MOVE CONVERSATION or an END WITH CLEANUP left empty): a look at every group was a
+            # scan of them all, seconds with 10^6 open conversations. A window starts at a
+            # random id and wraps around, so every group comes into one in time (all of them
+            # at once while there are fewer than GROUP_WINDOW).
+            start = uuid.uuid4()
+            for side in (g.c.conversation_group_id >= start, g.c.conversation_group_id < start):
+                groups.update(
+                    self.conn.execute(
+                        select(g.c.conversation_group_id)
+                        .where(side)
+                        .order_by(g.c.conversation_group_id)
+                        .limit(GROUP_WINDOW)
+                    ).scalars()
+                )
             # A group goes only under its own lock, and only if still empty under it: a
             # transaction putting a new endpoint into an existing group holds it FOR KEY SHARE
             # until it commits (skipped: a later pass sees it again), and one that committed
             # since this statement's snapshot is seen by the DELETE's, taken after the lock. No
             # foreign key guards the endpoints' groups on PostgreSQL (migration 0021).
+            candidates = bulk.any_of(g.c.conversation_group_id, sorted(groups), "postgresql")
             ids = (
                 self.conn.execute(
-                    select(g.c.conversation_group_id).where(empty).with_for_update(skip_locked=True)
+                    select(g.c.conversation_group_id)
+                    .where(candidates, empty)
+                    .with_for_update(skip_locked=True)
                 )
                 .scalars()
                 .all()
@@ -368,7 +394,7 @@ class DueWork:
                 )
         else:
             self.conn.execute(delete(g).where(empty))
-        return result.rowcount or 0
+        return len(handles)
 
 
 class RowView:
