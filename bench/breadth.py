@@ -32,7 +32,12 @@ Printed, each measured in this run:
 - ``target check_1e6_open_s: SECONDS (goal <= 60)``: ``check()`` on ``open``;
 - ``info``: ``queue_status()`` and the broker page's overview on both, and ``queue_status()``
   with the same queues and no conversation open (``queues``, a third clone made before the
-  dialogs were written): what the open conversations add to it.
+  dialogs were written): what the open conversations add to it;
+- ``target activation_connections_1000_queues: N (goal <= 4)`` and
+  ``target activation_p50_1000_vs_1_queue: RATIO (goal <= 1.2)``: 1,000 activation triggers
+  in one event loop, as a triggerer runs them (``bench/_breadth_activation.py``: the
+  connections they hold at most, and SEND to the trigger's event against one trigger);
+  ``--no-activation`` leaves them out.
 
 "1e6" in the names is the default population; with ``--open`` the lines say the count used.
 """
@@ -49,6 +54,7 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
+from bench import _breadth_activation
 from bench._scratch import Database, ScratchServer, quiesce
 
 if TYPE_CHECKING:
@@ -215,6 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--queues", type=int, default=1000, help="tenant queues")
     p.add_argument("--repeat", type=int, default=30, help="timed repetitions of each step")
     p.add_argument("--url", default=None)
+    p.add_argument(
+        "--no-activation", action="store_true", help="leave out the triggers' 1,000 queues"
+    )
     args = p.parse_args(argv)
     from airflow_broker import Broker
     from airflow_broker.operations.monitoring.overview import overview
@@ -293,6 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             for b in brokers.values():
                 b.dispose()
+        for db in dbs.values():
+            server.drop(db)  # room for the activation phases' databases
+        if not args.no_activation:
+            lines += _breadth_activation.measure(server, args.queues)
     finally:
         server.drop_all()
     for line in lines:
