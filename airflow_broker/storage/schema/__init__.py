@@ -1,6 +1,7 @@
 """The broker's tables, in SQLAlchemy Core: one :class:`~sqlalchemy.MetaData` (``metadata``),
 its core tables (:mod:`.core`), failure handling's (:mod:`.failure`) and security's
-(:mod:`.security`), and the monitoring lists' indexes (:mod:`.listing`).
+(:mod:`.security`), the monitoring lists' indexes (:mod:`.listing`) and the due work's
+(:mod:`.due`).
 ``from airflow_broker.storage import schema as s; s.message`` reaches any.
 """
 
@@ -14,6 +15,7 @@ from airflow_broker.storage.schema.core import (
     Timestamp,
     metadata,
 )
+from airflow_broker.storage.schema.due import endpoint_closed_at
 from airflow_broker.storage.schema.failure import dedupe, lease
 from airflow_broker.storage.schema.listing import (
     endpoint_by_creation,
@@ -49,6 +51,7 @@ __all__ = [
     "dialog_key",
     "endpoint_by_creation",
     "endpoint_by_queue_and_creation",
+    "endpoint_closed_at",
     "exists_on",
     "inbox",
     "inbox_answer",

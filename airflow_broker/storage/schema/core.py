@@ -228,13 +228,6 @@ conversation_endpoint = Table(
         postgresql_where=text("lifetime IS NOT NULL AND state NOT IN ('ER', 'CD')"),
         sqlite_where=text("lifetime IS NOT NULL AND state NOT IN ('ER', 'CD')"),
     ),
-    # Old closed endpoints, for the due work's purge (migration 0026).
-    Index(
-        "ix_broker_conversation_endpoint_closed_at",
-        "closed_at",
-        postgresql_where=text("state = 'CD'"),
-        sqlite_where=text("state = 'CD'"),
-    ),
     # SQLite only: on PostgreSQL the engine locks the group instead (see migration 0021).
     ForeignKeyConstraint(
         ["conversation_group_id"],
