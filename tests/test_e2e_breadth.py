@@ -61,9 +61,8 @@ PREFIX = "breadth_q"
 #: the cluster's max_connections: PostgreSQL's default, shared by the broker and Airflow
 MAX_CONNECTIONS = 100
 #: The most connections to the broker database a triggerer holds, whatever the number of
-#: activation triggers it runs: docs/airflow.md, "Activation: a queue's reader is a DAG"
-#: ("Connections from a triggerer"): one LISTEN connection per broker database, plus a small
-#: bounded pool for the triggers' batched looks.
+#: activation triggers it runs: docs/airflow.md, "Connections from a triggerer" (one LISTEN
+#: connection per broker database, and one for each of hub.DATABASE_THREADS threads).
 TRIGGERER_CONNECTIONS = 4
 #: how often the sampler looks at pg_stat_activity and the triggerer's sockets (seconds)
 SAMPLE_EVERY = 0.2
