@@ -23,7 +23,7 @@ from airflow_broker.errors import (
 )
 from airflow_broker.messaging import leases
 from airflow_broker.messaging.arguments import Handle, as_uuid
-from airflow_broker.messaging.duework import DueWork, run_due
+from airflow_broker.messaging.duework import DueWork
 from airflow_broker.messaging.failure import count_dead_attempts
 from airflow_broker.messaging.objects import (
     Message,
@@ -423,10 +423,10 @@ class Receiving(TransactionCore):
         b.next_due_work = time.monotonic() + DUE_POLL_SECONDS
         if b.dialect == "postgresql":
             # In a short transaction of its own: a timer fires once, whatever this one does.
-            # Nearly always one statement that finds nothing due (duework.IDLE_PROBE).
-            run_due(b, purge=False)
-            return
-        if self._dirty:
+            with b.engine.begin() as conn:
+                work = DueWork(b, conn)
+                work.run(utcnow())
+        elif self._dirty:
             # SQLite: this transaction holds the only write lock; do it inside it.
             work = DueWork(b, self.connection)
             work.run(utcnow())
