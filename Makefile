@@ -98,11 +98,6 @@ run-oldest:
 # What the tests talk to is installed and started first: PostgreSQL, chromium, Java + JDBC,
 # PgBouncer, Redis; then the whole suite on the newest Airflow, the PostgreSQL subset through
 # PgBouncer, and the end-to-end set on the oldest Airflow.
-#
-# tests/test_e2e_breadth.py runs here with 30 activated queues (BREADTH_QUEUES): with the 500
-# issue 46 asks for, the triggerer fires its queues too slowly for the test's budget (open in
-# issue 46); `make test-breadth` runs the 500.
-export BREADTH_QUEUES ?= 30
 test: install-dev postgres browser spark pgbouncer redis oldest lint
 	$(BIN)/pytest -n 2 --dist loadgroup
 	$(MAKE) --no-print-directory -j2 --output-sync=target run-pgbouncer run-oldest

@@ -12,7 +12,10 @@ alternating order.
 - ``target activation_p50_1000_vs_1_queue: RATIO (goal <= 1.2)``: from a SEND's commit to the
   trigger's event, median, 1,000 queues over one. Each sample SENDs one message to a queue
   (another each time, among the 1,000) and, once the trigger fired, RECEIVEs it, so that the
-  queue is empty again.
+  queue is empty again;
+- ``info activation_burst_1000_queues``: one message to each of the 1,000 queues in one
+  transaction: how long until every trigger fired, and how many full looks the triggers made
+  in the 2 s after (none is needed: every queue waits for the reader fired for).
 """
 
 from __future__ import annotations
@@ -128,6 +131,35 @@ class _Phase:
         await loop.run_in_executor(io, self._receive, i)
         return took
 
+    async def burst(self, io: ThreadPoolExecutor) -> tuple[float, int]:
+        """One message to every queue in one transaction: seconds until every trigger fired,
+        and the full looks made in the 2 s after (nobody reads: every queue waits for the
+        reader fired for). The queues are read empty again afterwards."""
+        from airflow_broker.provider.triggers.hub import _looks
+
+        loop = asyncio.get_running_loop()
+        batch = next(iter(_looks[loop].values()))
+
+        def send_all() -> float:
+            with self.sender.transaction() as tx:
+                handles = [
+                    tx.begin_dialog(_service(i), _service(i), encryption=False)
+                    for i in range(self.count)
+                ]
+                tx.send(handles, body=b"burst")
+            return time.perf_counter()
+
+        sent = await loop.run_in_executor(io, send_all)
+        for i in range(self.count):
+            await asyncio.wait_for(self.events[_queue(i)].get(), 300)
+        took = time.perf_counter() - sent
+        full = batch.full_looks
+        await asyncio.sleep(2.0)
+        after = batch.full_looks - full
+        for i in range(self.count):
+            await loop.run_in_executor(io, self._receive, i)
+        return took, after
+
     async def stop(self) -> None:
         self._stop_counting.set()
         for task in self.tasks:
@@ -138,7 +170,11 @@ class _Phase:
         self.sender.dispose()
 
 
-async def _phase(db: Database, count: int, samples: int, poll: float) -> tuple[list[float], int]:
+async def _phase(
+    db: Database, count: int, samples: int, poll: float, burst: list[tuple[float, int]] | None
+) -> tuple[list[float], int]:
+    """``samples`` SEND-to-event times with ``count`` triggers running, the most connections
+    they held; with ``burst`` given, a burst to every queue is measured too (appended)."""
     io = ThreadPoolExecutor(4, thread_name_prefix="bench-io")
     phase = _Phase(db, count, poll)
     try:
@@ -150,6 +186,8 @@ async def _phase(db: Database, count: int, samples: int, poll: float) -> tuple[l
         for i in picks:
             times.append(await phase.sample(io, i))
             await asyncio.sleep(random.uniform(0.05, 0.3))  # land anywhere in the poll cycle
+        if burst is not None:
+            burst.append(await phase.burst(io))
         return times, phase.most
     finally:
         await phase.stop()
@@ -170,18 +208,25 @@ def measure(server: ScratchServer, queues: int = 1000, samples: int = 40) -> lis
     one = server.create(one_tpl, "breadth", "act_one")
     p50: dict[str, list[float]] = {"one": [], "many": []}
     most = 0
+    bursts: list[tuple[float, int]] = []
     for rnd in range(2):
         for kind in ("one", "many") if rnd == 0 else ("many", "one"):
             db, count = (one, 1) if kind == "one" else (many, queues)
-            times, held = asyncio.run(_phase(db, count, samples // 2, 1.0))
+            burst = bursts if kind == "many" else None
+            times, held = asyncio.run(_phase(db, count, samples // 2, 1.0, burst))
             p50[kind] += times
             if kind == "many":
                 most = max(most, held)
     one_ms = statistics.median(p50["one"]) * 1000
     many_ms = statistics.median(p50["many"]) * 1000
+    fired = ", ".join(f"{took:.2f} s" for took, _ in bursts)
+    looks = ", ".join(str(after) for _, after in bursts)
     return [
         f"info activation: SEND to event p50 {one_ms:.1f} ms with 1 queue, {many_ms:.1f} ms with "
         f"{queues} queues activated in one event loop",
+        f"info activation_burst_{queues}_queues: a message to every queue in one transaction, "
+        f"every trigger fired after {fired}; full looks in the 2 s after, while every queue "
+        f"waits for its reader: {looks}",
         f"target activation_connections_{queues}_queues: {most} (goal <= 4)",
         f"target activation_p50_{queues}_vs_1_queue: {many_ms / one_ms:.2f} (goal <= 1.2)",
     ]

@@ -194,6 +194,56 @@ def test_a_hundred_activated_queues_share_one_listen_connection_and_a_few_thread
     assert trigger_module._brokers == {}
 
 
+@pytest.mark.timeout(240)
+def test_a_burst_to_every_queue_fires_each_once_and_waiting_readers_cost_no_looks(
+    db: tuple[Broker, str],
+) -> None:
+    """A message to each of the queues in one transaction: every trigger fires once. Then,
+    while the readers fired for have not come (nobody reads here), each trigger still polls
+    every 0.2 s, and the polls are sorted out together (quiet_monitors): no full look, and no
+    second fire. Without that batching each poll was a full look of its own, ten statements,
+    and a burst to a thousand queues queued thousands of them behind the fires."""
+    broker, _url = db
+
+    async def scenario() -> None:
+        runs = Runs()
+        try:
+            for i in range(QUEUES):
+                runs.start(
+                    QueueActivationTrigger(
+                        queue=queue(i), broker_conn_id=CONN_ID, poll_interval=0.2
+                    ),
+                    queue(i),
+                )
+            await until("every trigger LISTENs", lambda: listening() == QUEUES, 120)
+            batch = hub_module._looks[asyncio.get_running_loop()][hub_of_loop().key]
+
+            def send_all() -> None:
+                with broker.transaction() as tx:
+                    handles = [
+                        tx.begin_dialog(service(i), service(i), encryption=False)
+                        for i in range(QUEUES)
+                    ]
+                    tx.send(handles, body=b"x")
+
+            sent = time.monotonic()
+            full = batch.full_looks
+            await asyncio.to_thread(send_all)
+            await until("every queue fires", lambda: len(runs.fired()) == QUEUES, 60)
+            print(f"{QUEUES} queues fired {time.monotonic() - sent:.2f} s after the SEND")
+            assert batch.full_looks - full <= QUEUES + 5, "more full looks than fires"
+
+            full, batches = batch.full_looks, batch.batches
+            await asyncio.sleep(2.0)  # ten polls of each trigger
+            assert batch.batches - batches >= 5, "the triggers stopped polling"
+            assert batch.full_looks == full, "queues waiting for their readers looked alone"
+            assert all(len(events) == 1 for events in runs.events.values()), "a second fire"
+        finally:
+            await runs.stop()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.timeout(180)
 def test_a_trigger_that_stops_unlistens_its_channel_and_the_others_keep_theirs(
     db: tuple[Broker, str],

@@ -420,6 +420,42 @@ def test_cleanup_closes_the_trigger_connections(broker: Broker) -> None:
     asyncio.run(scenario())
 
 
+def test_triggers_starting_together_look_their_connection_up_once(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twenty triggers of one Airflow connection start at once: one looks the connection up
+    (in a triggerer that is a round trip to the API server) and opens the broker; the others
+    share it. A trigger started while they run shares it too. When the last one stops, the
+    next start looks the connection up again (and so sees a changed connection)."""
+    from airflow_broker.hooks.broker import BrokerHook
+
+    lookups: list[str] = []
+    real = BrokerHook.broker_url
+
+    def counted(self: BrokerHook) -> Any:
+        lookups.append(self.broker_conn_id)
+        return real(self)
+
+    monkeypatch.setattr(BrokerHook, "broker_url", counted)
+
+    async def scenario() -> None:
+        runs = [Running(activation_trigger(monitor_key=f"k{i}")) for i in range(20)]
+        await eventually(lambda: all(run.trigger._held is not None for run in runs))
+        late = Running(activation_trigger(monitor_key="late"))
+        await eventually(lambda: late.trigger._held is not None)
+        assert lookups == [CONN_ID], f"{len(lookups)} lookups for 21 triggers"
+        assert len(trigger_module._brokers) == 1
+        for run in [*runs, late]:
+            await run.stop()
+        assert trigger_module._brokers == {} and trigger_module._urls == {}
+        again = Running(activation_trigger())
+        await eventually(lambda: again.trigger._held is not None)
+        assert lookups == [CONN_ID, CONN_ID]
+        await again.stop()
+
+    asyncio.run(scenario())
+
+
 def test_a_cancel_that_meets_a_notify_stops_the_waiter(broker: Broker) -> None:
     """The triggerer cancels a trigger while it waits; a NOTIFY may set the waiter's event in
     the same loop turn. The cancel must win (CI once saw a cancelled trigger run on for good:

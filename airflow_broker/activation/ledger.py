@@ -8,10 +8,11 @@ only write lock.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, or_, select, text, update
+from sqlalchemy import and_, delete, func, or_, select, text, update
 from sqlalchemy.engine import Connection
 
 from airflow_broker.activation.decision import (
@@ -61,6 +62,14 @@ def observe(conn: Connection, row: Any) -> QueueObservation:
     attempt or leased are not counted: a queue that holds only those starts no reader (it would
     find nothing to RECEIVE) until a hold ends."""
     counted = readiness.tally(conn, queue_ids=[row.queue_id]).get(row.queue_id)
+    return observation(row, counted, monotonic_order=conn.dialect.name == "postgresql")
+
+
+def observation(
+    row: Any, counted: readiness.QueueReadiness | None, *, monotonic_order: bool
+) -> QueueObservation:
+    """The observation of queue ``row`` (``queue_id, status, activation``) from its tally
+    (:func:`readiness.tally`; None: nothing waits)."""
     ready = counted.ready if counted is not None else readiness.EMPTY
     return QueueObservation(
         queue_id=row.queue_id,
@@ -72,7 +81,7 @@ def observe(conn: Connection, row: Any) -> QueueObservation:
         low_water=ready.low_water,
         newest_at=ready.newest_enqueued_at,
         oldest_at=ready.oldest_enqueued_at,
-        monotonic_order=conn.dialect.name == "postgresql",
+        monotonic_order=monotonic_order,
     )
 
 
@@ -114,6 +123,74 @@ def tidy(conn: Connection, queue_id: int, obs: QueueObservation | None, now: dat
     conn.execute(
         delete(_r).where(_r.c.queue_id == queue_id, _r.c.finished_at < now - FINISHED_RETENTION)
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderRows:
+    """One queue's ``broker_activation_reader`` rows, summed up (:func:`reader_rows`)."""
+
+    #: registered and not finished
+    live: int = 0
+    #: fired for and not yet registered
+    starting: int = 0
+    #: of the starting ones: the lowest cursor, the first fire
+    starting_cursor: int | None = None
+    starting_fired_at: datetime | None = None
+    #: the oldest heartbeat of the live ones
+    live_heartbeat_at: datetime | None = None
+    #: the first finish of the finished ones
+    finished_at: datetime | None = None
+
+    def untidy(self, obs: QueueObservation, now: datetime) -> bool:
+        """Whether :func:`tidy` would change a row: it is written from the same rules."""
+        if self.starting:
+            if self.starting_fired_at is not None and self.starting_fired_at < now - timedelta(
+                seconds=START_TIMEOUT_SECONDS
+            ):
+                return True
+            if obs.low_water is None:
+                return True
+            if self.starting_cursor is not None and self.starting_cursor < obs.low_water:
+                return True
+            if not (obs.monotonic_order or obs.oldest_at is None) and (
+                self.starting_fired_at is not None and self.starting_fired_at < obs.oldest_at
+            ):
+                return True
+        heartbeat = self.live_heartbeat_at if self.live else None
+        if heartbeat is not None and heartbeat < now - timedelta(seconds=READER_TIMEOUT_SECONDS):
+            return True
+        return self.finished_at is not None and self.finished_at < now - FINISHED_RETENTION
+
+
+def reader_rows(conn: Connection, queue_ids: list[int]) -> dict[int, ReaderRows]:
+    """The reader rows of ``queue_ids``, summed up per queue (one statement); a queue without
+    rows is absent."""
+    live = and_(_r.c.started_at.is_not(None), _r.c.finished_at.is_(None))
+    starting = and_(_r.c.started_at.is_(None), _r.c.finished_at.is_(None))
+    rows = conn.execute(
+        select(
+            _r.c.queue_id,
+            func.count().filter(live),
+            func.count().filter(starting),
+            func.min(_r.c.cursor).filter(starting),
+            func.min(_r.c.fired_at).filter(starting),
+            func.min(_r.c.heartbeat_at).filter(live),
+            func.min(_r.c.finished_at),
+        )
+        .where(_r.c.queue_id.in_(queue_ids))
+        .group_by(_r.c.queue_id)
+    )
+    return {
+        row[0]: ReaderRows(
+            live=int(row[1] or 0),
+            starting=int(row[2] or 0),
+            starting_cursor=row[3],
+            starting_fired_at=readiness.timestamp(row[4]),
+            live_heartbeat_at=readiness.timestamp(row[5]),
+            finished_at=readiness.timestamp(row[6]),
+        )
+        for row in rows
+    }
 
 
 def counts(conn: Connection, queue_id: int) -> tuple[int, int]:

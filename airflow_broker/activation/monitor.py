@@ -9,6 +9,7 @@ queue-depth sampling.
 
 from __future__ import annotations
 
+import enum
 import time
 import uuid
 from collections.abc import Sequence
@@ -20,11 +21,23 @@ from sqlalchemy import and_, insert, select, text, update
 from sqlalchemy.engine import Connection
 
 from airflow_broker.activation.decision import ACTIVATION_KEY, MonitorState, check_mode, decide
-from airflow_broker.activation.ledger import _a, _r, counts, lock_queue, observe, queue_row, tidy
+from airflow_broker.activation.ledger import (
+    ReaderRows,
+    _a,
+    _r,
+    counts,
+    lock_queue,
+    observation,
+    observe,
+    queue_row,
+    reader_rows,
+    tidy,
+)
 from airflow_broker.constants import STATUS_READY
 from airflow_broker.errors import InvalidDefinition
 from airflow_broker.messaging.duework import run_due
 from airflow_broker.operations.sampling import sample_step
+from airflow_broker.storage import readiness
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 
@@ -95,6 +108,20 @@ class Monitor:
             raise InvalidDefinition(
                 f"max_readers must be a whole number >= 1 or None, not {self.max_readers!r}"
             )
+
+    def watched(self) -> Watched:
+        """What :func:`quiet_monitors` needs to know of this monitor (after a first
+        :meth:`check`, which finds the queue's id)."""
+        if self.queue_id is None:
+            raise InvalidDefinition(f"monitor of queue {self.queue!r}: check() it once first")
+        return Watched(
+            self.queue_id,
+            self.key,
+            self.mode,
+            self.min_depth,
+            self.max_readers,
+            self.sample_seconds,
+        )
 
     def check(self) -> Fire | None:
         """Observe the queue once; record and return a :class:`Fire` when the monitor fires."""
@@ -192,6 +219,106 @@ class Monitor:
         )
 
 
+class Outlook(enum.Enum):
+    """What :func:`quiet_monitors` found a monitor's full look would do: nothing."""
+
+    #: Nothing waits in the queue and no reader of it runs or starts: only a new message,
+    #: whose INSERT notifies the queue's channel, can change that.
+    IDLE = "idle"
+    #: Nothing to do now (no reader to start, no row to tidy, no sample to write), but a
+    #: reader finishing or time passing (a start or heartbeat timeout) may change that.
+    QUIET = "quiet"
+
+
+@dataclass(frozen=True, slots=True)
+class Watched:
+    """A monitor as :func:`quiet_monitors` takes it (:meth:`Monitor.watched`; hashable)."""
+
+    queue_id: int
+    key: str
+    mode: str
+    min_depth: int
+    max_readers: int | None
+    sample_seconds: float
+
+
+def quiet_monitors(broker: BrokerContext, monitors: Sequence[Watched]) -> dict[Watched, Outlook]:
+    """Of ``monitors``, those whose :meth:`Monitor.check` would do nothing now (neither fire
+    nor write), each with why; the others are absent and need their full look. Five statements
+    whatever the number of monitors, none of them a write or a lock: the idle ones first
+    (:func:`idle_monitors`), then, for the rest, each queue's settings, its monitors' state,
+    its messages by state and its reader rows, read once for all of them, and for each monitor
+    :func:`~airflow_broker.activation.decision.decide` applied as its full look would. A
+    monitor whose state row or queue is missing is not quiet: its full look makes the row, or
+    reports the queue gone.
+
+    A trigger holding many queues asks this for all those that look in one turn: after a
+    burst of messages to a thousand queues, the queues waiting for the readers fired for them
+    cost five statements a poll between them, not ten each."""
+    wanted = list(dict.fromkeys(monitors))
+    out: dict[Watched, Outlook] = {}
+    if not wanted:
+        return out
+    now = utcnow()
+    with broker.read_connection() as conn:
+        idle = _idle(conn, [(w.queue_id, w.key) for w in wanted])
+        rest = []
+        for w in wanted:
+            if (w.queue_id, w.key) in idle:
+                out[w] = Outlook.IDLE
+            else:
+                rest.append(w)
+        if not rest:
+            return out
+        ids = sorted({w.queue_id for w in rest})
+        queues = {
+            row.queue_id: row
+            for row in conn.execute(
+                select(s.queue.c.queue_id, s.queue.c.status, s.queue.c.activation).where(
+                    s.queue.c.queue_id.in_(ids)
+                )
+            )
+        }
+        states = {
+            (row.queue_id, row.monitor_key): MonitorState(
+                cursor=row.cursor,
+                fires=row.fires,
+                fired_at=aware(row.fired_at),
+                last_depth=row.last_depth,
+                observed_at=aware(row.observed_at),
+            )
+            for row in conn.execute(select(_a).where(_a.c.queue_id.in_(ids)))
+        }
+        tallies = readiness.tally(conn, queue_ids=ids, now=now)
+        readers = reader_rows(conn, ids)
+        monotonic = conn.dialect.name == "postgresql"
+    for w in rest:
+        qrow, state = queues.get(w.queue_id), states.get((w.queue_id, w.key))
+        if qrow is None or state is None:
+            continue
+        obs = observation(qrow, tallies.get(w.queue_id), monotonic_order=monotonic)
+        rows = readers.get(w.queue_id) or _NO_READERS
+        if rows.untidy(obs, now):
+            continue
+        d = decide(
+            w.mode,
+            obs,
+            state,
+            running=rows.live + rows.starting,
+            max_readers=w.max_readers or obs.activation.max_readers,
+            min_depth=w.min_depth,
+            now=now,
+            sample_seconds=w.sample_seconds,
+        )
+        if d.fire or (d.sample and obs.depth != state.last_depth):
+            continue
+        out[w] = Outlook.QUIET
+    return out
+
+
+_NO_READERS = ReaderRows()
+
+
 def idle_monitors(
     broker: BrokerContext, monitors: Sequence[tuple[int, str]]
 ) -> set[tuple[int, str]]:
@@ -207,29 +334,33 @@ def idle_monitors(
     if not wanted:
         return set()
     with broker.read_connection() as conn:
-        if conn.dialect.name == "postgresql":
-            rows = conn.execute(
-                _IDLE_PG,
-                {"ids": [qid for qid, _ in wanted], "keys": [key for _, key in wanted]},
-            ).all()
-        else:
-            a, q, m = _a, s.queue, s.message
-            waiting = select(m.c.queue_id).where(
-                m.c.queue_id == q.c.queue_id, m.c.status == STATUS_READY
+        return _idle(conn, wanted)
+
+
+def _idle(conn: Connection, wanted: list[tuple[int, str]]) -> set[tuple[int, str]]:
+    if conn.dialect.name == "postgresql":
+        rows = conn.execute(
+            _IDLE_PG,
+            {"ids": [qid for qid, _ in wanted], "keys": [key for _, key in wanted]},
+        ).all()
+    else:
+        a, q, m = _a, s.queue, s.message
+        waiting = select(m.c.queue_id).where(
+            m.c.queue_id == q.c.queue_id, m.c.status == STATUS_READY
+        )
+        reading = select(_r.c.queue_id).where(
+            _r.c.queue_id == q.c.queue_id, _r.c.finished_at.is_(None)
+        )
+        rows = conn.execute(
+            select(a.c.queue_id, a.c.monitor_key)
+            .join(q, q.c.queue_id == a.c.queue_id)
+            .where(
+                a.c.queue_id.in_(sorted({qid for qid, _ in wanted})),
+                a.c.last_depth == 0,
+                ~waiting.exists(),
+                ~reading.exists(),
             )
-            reading = select(_r.c.queue_id).where(
-                _r.c.queue_id == q.c.queue_id, _r.c.finished_at.is_(None)
-            )
-            rows = conn.execute(
-                select(a.c.queue_id, a.c.monitor_key)
-                .join(q, q.c.queue_id == a.c.queue_id)
-                .where(
-                    a.c.queue_id.in_(sorted({qid for qid, _ in wanted})),
-                    a.c.last_depth == 0,
-                    ~waiting.exists(),
-                    ~reading.exists(),
-                )
-            ).all()
+        ).all()
     return {(row[0], row[1]) for row in rows} & set(wanted)
 
 

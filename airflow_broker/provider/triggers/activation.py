@@ -22,9 +22,11 @@ one LISTEN connection that every trigger of its event loop on that database shar
 while the queue is idle (nothing waits, no reader: only a new message, which notifies, can
 change that) the fallback is every :data:`IDLE_POLL_SECONDS`. On SQLite it polls every
 ``poll_interval``. Looks are batched: the triggers that look in the same turn of the event loop
-learn which of them have anything to do from one statement (:func:`idle_monitors`), and only
-those make their full look, in the database's few threads (:func:`in_database`: a database
-that hangs ties up only its own triggers). The brokers are shared by the triggers of one
+learn which of them have anything to do from a few statements for all of them
+(:func:`quiet_monitors`: idle queues, and queues whose readers are fired for while nothing
+changed), and only those make their full look (about ten statements and a write), in the
+database's few threads (:func:`in_database`: a database that hangs ties up only its own
+triggers). The brokers are shared by the triggers of one
 process on the same database and closed when the last one is cleaned up.
 
 When the server ends a LISTEN connection (a restart, ``pg_terminate_backend``), the listener logs
@@ -49,11 +51,10 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import DBAPIError
 
 from airflow_broker.activation import ACTIVATION_KEY, Fire, Monitor, check_mode, due_step
-from airflow_broker.activation.monitor import idle_monitors
+from airflow_broker.activation.monitor import Outlook, quiet_monitors
 from airflow_broker.errors import BrokerError, InvalidDefinition
 from airflow_broker.provider.compat import Asset, AssetWatcher, BaseEventTrigger, TriggerEvent
 from airflow_broker.provider.triggers.hub import (
-    IDLE,
     Hub,
     Looks,
     _executor,
@@ -94,38 +95,55 @@ class _Shared:
 
 _brokers: dict[str, _Shared] = {}
 _brokers_lock = threading.Lock()
-
-
+#: Airflow connection id -> the URL of the shared broker opened from it
+_urls: dict[str, str] = {}
 _opening: dict[str, threading.Lock] = {}
+
+
+def _shared(url: str | None) -> Broker | None:
+    """The shared broker of ``url``, counted once more (None: none is open); under the lock."""
+    shared = _brokers.get(url) if url is not None else None
+    if shared is None:
+        return None
+    shared.refs += 1
+    return shared.broker
 
 
 def acquire_broker(broker_conn_id: str) -> Broker:
     """The broker of an Airflow connection, shared with this process's other triggers on the
     same database (blocking: call it in a thread). Release it with :func:`release_broker`.
 
-    One trigger at a time opens a database's broker (its first connection made), the others
-    on that database wait for it and share it: a thousand triggers starting at once make one
-    connection, not one each. The opening holds no lock that the triggers of other databases
-    take: a database that hangs holds up only the triggers that use it."""
+    One trigger at a time opens a connection's broker (the Airflow connection looked up, the
+    broker's first connection made), the others that use the connection wait for it and share
+    it: a thousand triggers starting at once make one lookup and one connection, not one
+    each. A trigger that starts while others of its Airflow connection run shares their broker
+    without looking the connection up again: a change to the connection takes effect for the
+    triggers that start after the last of them stopped (a triggerer restart). The opening holds
+    no lock that the triggers of other connections take: a database that hangs holds up only
+    the triggers that use it."""
     from airflow_broker.hooks.broker import BrokerHook
 
-    hook = BrokerHook(broker_conn_id=broker_conn_id)
-    url, _fallback = hook.broker_url()
     with _brokers_lock:
-        shared = _brokers.get(url)
-        if shared is not None:
-            shared.refs += 1
-            return shared.broker
-        opening = _opening.setdefault(url, threading.Lock())
+        found = _shared(_urls.get(broker_conn_id))
+        if found is not None:
+            return found
+        opening = _opening.setdefault(broker_conn_id, threading.Lock())
     with opening:
         with _brokers_lock:
-            shared = _brokers.get(url)
-            if shared is not None:
-                shared.refs += 1
-                return shared.broker
+            found = _shared(_urls.get(broker_conn_id))
+            if found is not None:
+                return found
+        hook = BrokerHook(broker_conn_id=broker_conn_id)
+        url, _fallback = hook.broker_url()
+        with _brokers_lock:
+            found = _shared(url)  # another connection id of the same database
+            if found is not None:
+                _urls[broker_conn_id] = url
+                return found
         opened = hook.get_broker()
         with _brokers_lock:
             _brokers[url] = _Shared(opened, refs=1)
+            _urls[broker_conn_id] = url
         return opened
 
 
@@ -155,6 +173,8 @@ def release_broker(broker: Broker) -> None:
                 shared.refs -= 1
                 if shared.refs <= 0:
                     del _brokers[url]
+                    for conn_id in [c for c, u in _urls.items() if u == url]:
+                        del _urls[conn_id]
                     broker.dispose()
                 return
 
@@ -227,7 +247,7 @@ class QueueWaiter:
         ``timeout`` seconds, if shorter).
 
         ``idle``: the last look found nothing that only time can change (an empty queue, no
-        reader: :func:`~airflow_broker.activation.monitor.idle_monitors`), so while LISTEN
+        reader: :attr:`~airflow_broker.activation.monitor.Outlook.IDLE`), so while LISTEN
         works only a NOTIFY can bring news, and the fallback poll is every
         :data:`IDLE_POLL_SECONDS` instead. Returns whether it was woken (not timed out)."""
         listener = self._listener
@@ -351,20 +371,17 @@ class QueueActivationTrigger(BaseEventTrigger):
         due_step(broker)  # timers fire on queues nobody reads, and then activate them
         return monitor.check()
 
-    async def _next_look(
-        self, batch: Looks, broker: Broker, monitor: Monitor, notified: bool = False
-    ) -> Any:
+    async def _next_look(self, batch: Looks, broker: Broker, monitor: Monitor) -> Any:
         """One look at the queue, batched with those of the other triggers on its database
-        that look in the same turn: a queue with nothing to do (:func:`idle_monitors`) needs
-        no look of its own. The first look is always a full one: it finds the queue's id,
-        whose channel the trigger then LISTENs on; so is a look after a NOTIFY (``notified``):
-        a message came."""
-        if monitor.queue_id is None or notified:
+        that look in the same turn: a monitor whose full look would do nothing
+        (:func:`quiet_monitors`: the queue is idle, or its readers are fired for and nothing
+        changed) needs no look of its own, and gets :attr:`Outlook.IDLE` or
+        :attr:`Outlook.QUIET` instead. The first look is always a full one: it finds the
+        queue's id, whose channel the trigger then LISTENs on."""
+        if monitor.queue_id is None:
             return await in_database(batch.key, self._look, broker, monitor)
         return await batch.ask(
-            idle_monitors,
-            (monitor.queue_id, self.monitor_key),
-            functools.partial(self._look, broker, monitor),
+            quiet_monitors, monitor.watched(), functools.partial(self._look, broker, monitor)
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
@@ -372,15 +389,14 @@ class QueueActivationTrigger(BaseEventTrigger):
         monitor = self._monitor(broker)
         batch = looks(broker, due_step)
         failures = 0
-        notified = False
         try:
             while True:
                 if self._waiter is not None:
                     self._waiter.clear()
                 try:
-                    fire = await self._next_look(batch, broker, monitor, notified)
-                    idle = fire is IDLE
-                    if idle:
+                    fire = await self._next_look(batch, broker, monitor)
+                    idle = fire is Outlook.IDLE
+                    if isinstance(fire, Outlook):
                         fire = None
                     failures = 0
                 except (DBAPIError, BrokerError) as exc:
@@ -409,7 +425,7 @@ class QueueActivationTrigger(BaseEventTrigger):
                     await self._waiter.open()
                     continue  # look once more now that a NOTIFY cannot be missed
                 if self._waiter is not None:
-                    notified = await self._waiter.wait(idle=idle)
+                    await self._waiter.wait(idle=idle)
                 else:
                     await asyncio.sleep(self.poll_interval)
         finally:

@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -343,9 +343,10 @@ def aligned(limit: float, now: float) -> float:
 # Looks batched per turn of the event loop
 # ---------------------------------------------------------------------------------------------
 
-#: ``sort_out(broker, items) -> idle items``: of the items asked about in one batch, those
-#: whose full look would find nothing to do (it is skipped: their result is :data:`IDLE`).
-SortOut = Callable[[Any, Any], set[Any]]
+#: ``sort_out(broker, items)``: of the items asked about in one batch, those whose full look
+#: would find nothing to do (it is skipped), either as a set (their result is :data:`IDLE`) or
+#: as a mapping from each to the result to give instead.
+SortOut = Callable[[Any, Any], "set[Any] | Mapping[Any, Any]"]
 
 
 class _Idle:
@@ -381,8 +382,8 @@ class Looks:
     full_looks: int = 0
 
     async def ask(self, sort_out: SortOut, item: Hashable, full: Callable[[], _R]) -> _R | Any:
-        """``full()`` (in the database's threads) unless ``sort_out`` finds ``item`` idle
-        (then :data:`IDLE`)."""
+        """``full()`` (in the database's threads) unless ``sort_out`` finds ``item`` has
+        nothing to do (then what it says instead: :data:`IDLE` for a set)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._pending.setdefault(sort_out, []).append(_Ask(item, full, future))
@@ -390,13 +391,14 @@ class Looks:
             self._running = loop.create_task(self._rounds())
         return await future
 
-    def _sort(self, batch: dict[SortOut, list[_Ask]]) -> dict[SortOut, set[Hashable]]:
+    def _sort(self, batch: dict[SortOut, list[_Ask]]) -> dict[SortOut, Mapping[Hashable, Any]]:
         if self.before is not None:
             self.before(self.broker)
-        return {
-            sort_out: sort_out(self.broker, list(dict.fromkeys(a.item for a in asks)))
-            for sort_out, asks in batch.items()
-        }
+        found: dict[SortOut, Mapping[Hashable, Any]] = {}
+        for sort_out, asks in batch.items():
+            quiet = sort_out(self.broker, list(dict.fromkeys(a.item for a in asks)))
+            found[sort_out] = quiet if isinstance(quiet, Mapping) else dict.fromkeys(quiet, IDLE)
+        return found
 
     async def _full(self, ask: _Ask) -> None:
         try:
@@ -421,12 +423,12 @@ class Looks:
                     idle = {}
                 self.batches += 1
                 for sort_out, asks in batch.items():
-                    quiet = idle.get(sort_out, set())
+                    quiet = idle.get(sort_out, {})
                     for ask in asks:
                         if ask.future.done():
                             continue  # its trigger was cancelled meanwhile
                         if ask.item in quiet:
-                            ask.future.set_result(IDLE)
+                            ask.future.set_result(quiet[ask.item])
                         else:
                             self.full_looks += 1
                             task = asyncio.ensure_future(self._full(ask))
