@@ -47,7 +47,7 @@ def test_check_reports_its_progress_check_by_check_and_how_long_it_took(
     assert total >= 2 * DIALOGS - 1
     seen: list[Progress] = []
     with caplog.at_level(logging.INFO, logger="airflow_broker"):
-        report = consistency.run(busy, progress=seen.append, chunk=3, every=0)
+        report = consistency.run(busy, progress=seen.append, batch=3, every=0)
     assert report.problems == []
     assert report.endpoints == total
     assert report.seconds > 0
@@ -67,7 +67,7 @@ def test_check_reports_its_progress_check_by_check_and_how_long_it_took(
 
 def test_progress_is_reported_at_most_every_so_often(busy: Broker) -> None:
     seen: list[Progress] = []
-    consistency.run(busy, progress=seen.append, chunk=1, every=3600)
+    consistency.run(busy, progress=seen.append, batch=1, every=3600)
     assert [p.done for p in seen] == [True], "only the last report within the hour"
 
 
@@ -75,10 +75,10 @@ def test_progress_is_reported_at_most_every_so_often(busy: Broker) -> None:
 def test_streamed_the_check_still_finds_every_kind(busy: Broker, kind: str) -> None:
     """Rows fetched 2 at a time from the server-side cursor, or all at once: same problems."""
     CASES[kind](busy)
-    whole = consistency.run(busy, record=False, chunk=10**6).problems
-    chunked = consistency.run(busy, record=False, chunk=2).problems
-    assert kind in _kinds(chunked), chunked
-    assert sorted(map(str, chunked)) == sorted(map(str, whole))
+    whole = consistency.run(busy, record=False, batch=10**6).problems
+    batched = consistency.run(busy, record=False, batch=2).problems
+    assert kind in _kinds(batched), batched
+    assert sorted(map(str, batched)) == sorted(map(str, whole))
 
 
 def test_the_listed_problems_of_a_kind_stay_bounded(
@@ -86,7 +86,7 @@ def test_the_listed_problems_of_a_kind_stay_bounded(
 ) -> None:
     monkeypatch.setattr(consistency, "MAX_LISTED", 1)
     CASES["impossible_state"](busy)  # every endpoint
-    found = consistency.run(busy, record=False, chunk=2).problems
+    found = consistency.run(busy, record=False, batch=2).problems
     mine = [p for p in found if p.kind == "impossible_state"]
     assert len(mine) == 2 and mine[1].object == f"{_count(busy) - 1} more", mine
     assert set(_kinds(found)) <= set(KINDS)

@@ -6,17 +6,16 @@ single snapshot (REPEATABLE READ on PostgreSQL; SQLite's read transaction is one
 busy broker is not reported for what a concurrent transaction was in the middle of.
 
 The check streams: each check is one statement over the snapshot, whose rows (the problems it
-finds) come from a server-side cursor :data:`CHUNK` at a time, so nothing is held but the
+finds) come from a server-side cursor :data:`BATCH` at a time, so nothing is held but the
 problems listed (at most :data:`MAX_LISTED` of a kind, the rest counted). Progress (checks done
 of how many, seconds, problems so far, the endpoints there are) is logged at INFO and handed to
 a callback at most every :data:`PROGRESS_EVERY` seconds and after the last check; :func:`run`
 returns the problems with the endpoints checked and the seconds it took (``airflow-broker
-check`` prints both). Why not chunks of the handle space: :mod:`.check_chunks`.
+check`` prints both). Why one pass over the whole handle space: :mod:`.check_progress`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +28,7 @@ from sqlalchemy.engine import Connection
 from airflow_broker.constants import DIALOG_TIMER, END_DIALOG, ERROR, STATE_DESC
 from airflow_broker.messaging.duework import run_due
 from airflow_broker.messaging.events import record_event
-from airflow_broker.operations.check_chunks import WHOLE, Chunk, Progress, within
+from airflow_broker.operations.check_progress import Progress
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.context import BrokerContext
 
@@ -40,7 +39,7 @@ MAX_LISTED = 200
 #: The ``broker_event`` row that records each check's outcome (the UI's overview shows the last).
 EVENT = "consistency_check"
 #: Rows a check's server-side cursor fetches at a time.
-CHUNK = 10_000
+BATCH = 10_000
 #: Progress is reported at most this often, in seconds (and once at the end).
 PROGRESS_EVERY = 2.0
 
@@ -105,12 +104,12 @@ def _short(handle: Any) -> str:
 Found = Iterator[tuple[str, str, str]]
 
 
-def _messages_without_endpoint(conn: Connection, chunk: Chunk) -> Found:
+def _messages_without_endpoint(conn: Connection) -> Found:
     rows = conn.execute(
         select(_m.c.queuing_order, _m.c.conversation_handle, _m.c.message_type_name, _q.c.name)
         .outerjoin(_e, _e.c.conversation_handle == _m.c.conversation_handle)
         .outerjoin(_q, _q.c.queue_id == _m.c.queue_id)
-        .where(_e.c.conversation_handle.is_(None), *within(_m.c.conversation_handle, chunk))
+        .where(_e.c.conversation_handle.is_(None))
         .order_by(_m.c.queuing_order)
     )
     for r in rows:
@@ -122,7 +121,7 @@ def _messages_without_endpoint(conn: Connection, chunk: Chunk) -> Found:
         )
 
 
-def _misfiled_messages(conn: Connection, chunk: Chunk) -> Found:
+def _misfiled_messages(conn: Connection) -> Found:
     rows = conn.execute(
         select(
             _m.c.queuing_order,
@@ -137,8 +136,7 @@ def _misfiled_messages(conn: Connection, chunk: Chunk) -> Found:
             or_(
                 _m.c.queue_id != _e.c.queue_id,
                 _m.c.conversation_group_id != _e.c.conversation_group_id,
-            ),
-            *within(_m.c.conversation_handle, chunk),
+            )
         )
         .order_by(_m.c.queuing_order)
     )
@@ -151,13 +149,10 @@ def _misfiled_messages(conn: Connection, chunk: Chunk) -> Found:
         )
 
 
-def _duplicate_messages(conn: Connection, chunk: Chunk) -> Found:
+def _duplicate_messages(conn: Connection) -> Found:
     rows = conn.execute(
         select(_m.c.conversation_handle, _m.c.message_sequence_number, func.count().label("n"))
-        .where(
-            _m.c.message_type_name.not_in([DIALOG_TIMER, ERROR]),
-            *within(_m.c.conversation_handle, chunk),
-        )
+        .where(_m.c.message_type_name.not_in([DIALOG_TIMER, ERROR]))
         .group_by(_m.c.conversation_handle, _m.c.message_sequence_number, _m.c.status)
         .having(func.count() > 1)
         .order_by(_m.c.conversation_handle, _m.c.message_sequence_number)
@@ -171,7 +166,7 @@ def _duplicate_messages(conn: Connection, chunk: Chunk) -> Found:
         )
 
 
-def _messages_ahead_of_sender(conn: Connection, chunk: Chunk) -> Found:
+def _messages_ahead_of_sender(conn: Connection) -> Found:
     # Within one database the sender is the far endpoint: everything it sent is numbered below
     # its send_sequence. Messages an endpoint writes to its own queue (DialogTimer, Error of a
     # failed dialog, retained copies) are numbered by this side, not by the far one.
@@ -188,7 +183,6 @@ def _messages_ahead_of_sender(conn: Connection, chunk: Chunk) -> Found:
             _m.c.status == 1,
             _m.c.message_type_name.not_in([DIALOG_TIMER, ERROR]),
             _m.c.message_sequence_number >= _f.c.send_sequence,
-            *within(_m.c.conversation_handle, chunk),
         )
         .order_by(_m.c.queuing_order)
     )
@@ -201,7 +195,7 @@ def _messages_ahead_of_sender(conn: Connection, chunk: Chunk) -> Found:
         )
 
 
-def _endpoints_without(conn: Connection, chunk: Chunk) -> Found:
+def _endpoints_without(conn: Connection) -> Found:
     checks: list[tuple[str, Any, Any, str, Any]] = [
         (
             "endpoint_without_group",
@@ -238,7 +232,7 @@ def _endpoints_without(conn: Connection, chunk: Chunk) -> Found:
                 _e.c.service_name,
             )
             .outerjoin(table, on)
-            .where(missing.is_(None), *within(_e.c.conversation_handle, chunk))
+            .where(missing.is_(None))
             .order_by(_e.c.conversation_handle)
         )
         rows = conn.execute(stmt if only is None else stmt.where(only))
@@ -252,7 +246,7 @@ def _endpoints_without(conn: Connection, chunk: Chunk) -> Found:
             )
 
 
-def _impossible_states(conn: Connection, chunk: Chunk) -> Found:
+def _impossible_states(conn: Connection) -> Found:
     rows = conn.execute(
         select(_e)
         .where(
@@ -264,8 +258,7 @@ def _impossible_states(conn: Connection, chunk: Chunk) -> Found:
                 and_(_e.c.state == "CD", _e.c.closed_at.is_(None)),
                 and_(_e.c.state == "SO", _e.c.receive_sequence > 0),
                 and_(_e.c.state.in_(["SO", "SI"]), not_(_e.c.is_initiator == (_e.c.state == "SO"))),
-            ),
-            *within(_e.c.conversation_handle, chunk),
+            )
         )
         .order_by(_e.c.conversation_handle)
     )
@@ -288,7 +281,7 @@ def _impossible_states(conn: Connection, chunk: Chunk) -> Found:
         yield "impossible_state", f"conversation endpoint {_short(r.conversation_handle)}", why
 
 
-def _transmissions_after_end(conn: Connection, chunk: Chunk) -> Found:
+def _transmissions_after_end(conn: Connection) -> Found:
     rows = conn.execute(
         select(_t.c.id, _t.c.conversation_handle, _t.c.message_type_name, _e.c.state)
         .join(_e, _e.c.conversation_handle == _t.c.conversation_handle)
@@ -296,8 +289,7 @@ def _transmissions_after_end(conn: Connection, chunk: Chunk) -> Found:
             or_(
                 _e.c.state == "ER",
                 and_(_e.c.state == "CD", _t.c.message_type_name.not_in([END_DIALOG, ERROR])),
-            ),
-            *within(_t.c.conversation_handle, chunk),
+            )
         )
         .order_by(_t.c.id)
     )
@@ -343,8 +335,8 @@ def _stray_lease_marks(conn: Connection) -> Found:
             )
 
 
-#: The checks that read conversations (each over a range of the handle space: all of it).
-_CHUNKED: list[Callable[[Connection, Chunk], Found]] = [
+#: The checks that read conversations, each one pass over the whole snapshot.
+_CHECKS: list[Callable[[Connection], Found]] = [
     _messages_without_endpoint,
     _misfiled_messages,
     _duplicate_messages,
@@ -353,10 +345,6 @@ _CHUNKED: list[Callable[[Connection, Chunk], Found]] = [
     _impossible_states,
     _transmissions_after_end,
 ]
-
-
-def _whole(check: Callable[[Connection, Chunk], Found], conn: Connection) -> Found:
-    return check(conn, WHOLE)
 
 
 def _once(broker: BrokerContext) -> list[Callable[[Connection], Found]]:
@@ -381,7 +369,7 @@ def _find(
     conn: Connection,
     progress: Callable[[Progress], None] | None = None,
     *,
-    chunk: int,
+    batch: int,
     every: float,
 ) -> tuple[list[Problem], int]:
     from airflow_broker.operations.counts import bounded_count
@@ -390,10 +378,10 @@ def _find(
     endpoints = bounded_count(conn, _e)
     listed: dict[str, list[Problem]] = {}
     counts: dict[str, int] = {}
-    # Rows come from a server-side cursor, ``chunk`` at a time: only problems listed are kept.
-    streamed = conn.execution_options(yield_per=chunk)
+    # Rows come from a server-side cursor, ``batch`` at a time: only problems listed are kept.
+    streamed = conn.execution_options(yield_per=batch)
     steps: list[tuple[str, Callable[[Connection], Found]]] = [
-        (check.__name__.strip("_"), functools.partial(_whole, check)) for check in _CHUNKED
+        (check.__name__.strip("_"), check) for check in _CHECKS
     ]
     steps += [("dead_reader_leases", _once(broker)[0]), ("stray_lease_marks", _once(broker)[1])]
     reported = started
@@ -481,21 +469,21 @@ def run(
     repair: bool = False,
     record: bool = True,
     progress: Callable[[Progress], None] | None = None,
-    chunk: int = CHUNK,
+    batch: int = BATCH,
     every: float = PROGRESS_EVERY,
 ) -> Report:
     """:func:`check`, with what it took: the endpoints there are and the seconds. ``progress``
     is called (and the ``airflow_broker`` logger told, at INFO) at most every ``every``
-    seconds, after a check, and once at the end; each check's rows come ``chunk`` at a time
+    seconds, after a check, and once at the end; each check's rows come ``batch`` at a time
     from a server-side cursor."""
     started = time.monotonic()
-    found, endpoints = _read(broker, progress, chunk=chunk, every=every)
+    found, endpoints = _read(broker, progress, batch=batch, every=every)
     if repair and any(p.kind in REPAIRS for p in found):
         with broker.engine.begin() as conn:
             _repair(conn)
         if any(p.kind == "dead_reader_lease" for p in found):
             run_due(broker)
-        again, _ = _read(broker, None, chunk=chunk, every=every)
+        again, _ = _read(broker, None, batch=batch, every=every)
         still = {(p.kind, p.object) for p in again}
         found = [
             Problem(p.kind, p.object, p.detail, repaired=(p.kind, p.object) not in still)
@@ -527,7 +515,7 @@ def _read(
     broker: BrokerContext,
     progress: Callable[[Progress], None] | None,
     *,
-    chunk: int,
+    batch: int,
     every: float,
 ) -> tuple[list[Problem], int]:
     with broker.read_connection() as conn:
@@ -537,7 +525,7 @@ def _read(
             # joins over sequential scans), not for the first tenth (nested index loops).
             conn.execute(text("SET LOCAL cursor_tuple_fraction = 1.0"))
         try:
-            return _find(broker, conn, progress, chunk=chunk, every=every)
+            return _find(broker, conn, progress, batch=batch, every=every)
         finally:
             conn.rollback()
 
@@ -556,7 +544,7 @@ def summary(problems: list[Problem]) -> str:
 
 
 __all__ = [
-    "CHUNK",
+    "BATCH",
     "EVENT",
     "KINDS",
     "MAX_LISTED",
