@@ -86,18 +86,14 @@ def record(
     t = _t
     if b.client_role is not None:  # a restricted role sees no causes: each row on its own
         waiting = [(r, why, None) for r, why, _ in waiting]
+    # A row that waits for no cause backs off on its own: as an inbox retries, or as delivery does.
+    retry = {r.id: inbox.inbox_retry if r.id in inboxed else backoff for r, _, _ in waiting}
     bulk.update_rows(
         conn,
         t,
         "id",
         [
-            {
-                "id": r.id,
-                "attempts": r.attempts + 1,
-                "transmission_status": reason,
-                "next_attempt_at": now
-                + (inbox.inbox_retry if r.id in inboxed else backoff)(r.attempts + 1),
-            }
+            _tried(r, reason, next_attempt_at=now + retry[r.id](r.attempts + 1))
             for r, reason, key in waiting
             if key is None
         ],
@@ -117,16 +113,7 @@ def record(
             conn,
             t,
             "id",
-            [
-                {
-                    "id": r.id,
-                    "attempts": r.attempts + 1,
-                    "transmission_status": reason,
-                    "next_attempt_at": None,
-                    "wait_id": wait_id,
-                }
-                for r, reason in rows
-            ],
+            [_tried(r, reason, next_attempt_at=None, wait_id=wait_id) for r, reason in rows],
         )
         parked_under.update((r.id, wait_id) for r, _ in rows)
         reasons[wait_id] = rows[-1][1]
@@ -148,6 +135,12 @@ def record(
     if released:
         b.note_due(now)
     return len(parked_under), released
+
+
+def _tried(r: Any, reason: str, **then: Any) -> dict[str, Any]:
+    """The update of transmission row ``r``, tried and left waiting for ``reason``: one attempt
+    more, and ``then`` (when it is tried next, or the cause it is parked under)."""
+    return {"id": r.id, "attempts": r.attempts + 1, "transmission_status": reason, **then}
 
 
 def _wait_id(conn: Connection, key: Key, reason: str, now: datetime) -> int:
