@@ -42,9 +42,7 @@ def pair(broker: Broker) -> Broker:
 def rows(b: Broker) -> tuple[list[Any], list[Any]]:
     with b.engine.connect() as conn:
         monitors = sorted(tuple(r) for r in conn.execute(select(s.activation_monitor)))
-        readers = sorted(
-            (tuple(r) for r in conn.execute(select(s.activation_reader))), key=repr
-        )
+        readers = sorted((tuple(r) for r in conn.execute(select(s.activation_reader))), key=repr)
     return monitors, readers
 
 
