@@ -260,3 +260,47 @@ def _listen(b: Broker):  # type: ignore[no-untyped-def]
 
 def _notified(conn) -> bool:  # type: ignore[no-untyped-def]
     return any(True for _ in conn.notifies(timeout=5, stop_after=1))
+
+
+def test_the_page_shows_when_a_cause_is_tried_next_and_retry_now_takes_a_dialog_out(
+    network: Callable[..., tp.Net],
+) -> None:
+    """The broker page's transmission list: a message parked under a cause has no next attempt
+    of its own, so it shows its cause's. "Retry now" on one conversation makes its messages due
+    on their own, out of the cause, while the others keep waiting for it."""
+    from airflow_broker.operations import monitoring
+
+    net = network("a", "b")
+    without_route(net)
+    a = net["a"]
+    send_dialogs(a, [1] * 20)
+    tm.transmit(a)
+    clock.advance(0.3)
+    tm.transmit(a)  # the later rows are parked under the cause now
+    w, t = s.transmission_wait, s.transmission_queue
+    with a.engine.connect() as conn:
+        cause_next = conn.execute(select(w.c.next_attempt_at)).scalar_one()
+        parked = (
+            conn.execute(select(t.c.conversation_handle).where(t.c.wait_id.is_not(None)))
+            .scalars()
+            .all()
+        )
+    assert parked, "no row parked under the cause"
+    page = monitoring.transmission_queue(a).page
+    shown = {str(i.conversation_handle): i.next_attempt_at for i in page.items}
+    for handle in parked:
+        assert shown[str(handle)] is not None, "a parked row shows no next attempt"
+        assert shown[str(handle)] == clock.aware(cause_next)
+
+    one = parked[0]
+    result = monitoring.retry_transmission(a, one, deliver=False)
+    assert result.changed
+    with a.engine.connect() as conn:
+        mine = conn.execute(
+            select(t.c.wait_id, t.c.next_attempt_at).where(t.c.conversation_handle == one)
+        ).all()
+        others = conn.execute(
+            select(func.count()).where(t.c.wait_id.is_not(None), t.c.conversation_handle != one)
+        ).scalar_one()
+    assert all(r.wait_id is None and r.next_attempt_at is not None for r in mine), mine
+    assert others == len(parked) - 1

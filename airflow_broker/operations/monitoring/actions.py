@@ -89,7 +89,12 @@ def retry_transmission(
     now = utcnow()
     with broker.engine.begin() as conn:
         count = _count_waiting(conn, h)
-        conn.execute(update(_t).where(_t.c.conversation_handle == h).values(next_attempt_at=now))
+        # Each on its own again (out of the cause it waited for, if any), due now.
+        conn.execute(
+            update(_t)
+            .where(_t.c.conversation_handle == h)
+            .values(next_attempt_at=now, wait_id=None)
+        )
         _record(conn, str(h), f"retry now of {count} waiting message(s)", actor)
     data: dict[str, Any] = {"rescheduled": count}
     if deliver:

@@ -32,6 +32,8 @@ from airflow_broker.storage.clock import aware, utcnow
 if TYPE_CHECKING:
     from airflow_broker.storage.context import BrokerContext
 
+_w = s.transmission_wait
+
 
 def _transmission_info(r: Any, now: datetime) -> TransmissionInfo:
     enqueued = aware(r.enqueued_at)
@@ -55,21 +57,27 @@ def _transmission_info(r: Any, now: datetime) -> TransmissionInfo:
 
 
 def _transmission_select() -> Any:
-    return select(
-        _t.c.id,
-        _t.c.conversation_handle,
-        _t.c.conversation_id,
-        _t.c.from_service_name,
-        _t.c.to_service_name,
-        _t.c.to_broker_instance,
-        _t.c.service_contract_name,
-        _t.c.message_type_name,
-        _t.c.message_sequence_number,
-        _t.c.enqueued_at,
-        _t.c.transmission_status,
-        _t.c.attempts,
-        _t.c.next_attempt_at,
-        func.length(_t.c.message_body).label("body_bytes"),
+    """The rows as listed; a row parked under a cause (``wait_id``: one cause, one wait) has
+    no next attempt of its own and shows its cause's."""
+    return (
+        select(
+            _t.c.id,
+            _t.c.conversation_handle,
+            _t.c.conversation_id,
+            _t.c.from_service_name,
+            _t.c.to_service_name,
+            _t.c.to_broker_instance,
+            _t.c.service_contract_name,
+            _t.c.message_type_name,
+            _t.c.message_sequence_number,
+            _t.c.enqueued_at,
+            _t.c.transmission_status,
+            _t.c.attempts,
+            func.coalesce(_t.c.next_attempt_at, _w.c.next_attempt_at).label("next_attempt_at"),
+            func.length(_t.c.message_body).label("body_bytes"),
+        )
+        .select_from(_t)
+        .outerjoin(_w, _w.c.id == _t.c.wait_id)
     )
 
 
