@@ -354,7 +354,7 @@ class Definitions(ServiceDefinitions, RouteDefinitions, SecurityDefinitions, Per
                         select(s.service.c.name).where(s.service.c.queue_id == row.queue_id)
                     )
                 )
-                .values(next_attempt_at=values["modified_at"])
+                .values(next_attempt_at=values["modified_at"], wait_id=None)  # out of any cause
             )
             log.info("queue %r re-enabled", name)
         elif status is False and row.status:
