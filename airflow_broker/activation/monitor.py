@@ -138,15 +138,7 @@ class Monitor:
         row = conn.execute(
             select(_a).where(_a.c.queue_id == queue_id, _a.c.monitor_key == self.key)
         ).first()
-        if row is None:
-            return None
-        return MonitorState(
-            cursor=row.cursor,
-            fires=row.fires,
-            fired_at=aware(row.fired_at),
-            last_depth=row.last_depth,
-            observed_at=aware(row.observed_at),
-        )
+        return None if row is None else _state(row)
 
     def _check(self, conn: Connection, now: datetime) -> Fire | None:
         qrow = queue_row(conn, self.queue)
@@ -219,6 +211,17 @@ class Monitor:
         )
 
 
+def _state(row: Any) -> MonitorState:
+    """A ``broker_activation`` row as the monitor's state."""
+    return MonitorState(
+        cursor=row.cursor,
+        fires=row.fires,
+        fired_at=aware(row.fired_at),
+        last_depth=row.last_depth,
+        observed_at=aware(row.observed_at),
+    )
+
+
 class Outlook(enum.Enum):
     """What :func:`quiet_monitors` found a monitor's full look would do: nothing."""
 
@@ -280,13 +283,7 @@ def quiet_monitors(broker: BrokerContext, monitors: Sequence[Watched]) -> dict[W
             )
         }
         states = {
-            (row.queue_id, row.monitor_key): MonitorState(
-                cursor=row.cursor,
-                fires=row.fires,
-                fired_at=aware(row.fired_at),
-                last_depth=row.last_depth,
-                observed_at=aware(row.observed_at),
-            )
+            (row.queue_id, row.monitor_key): _state(row)
             for row in conn.execute(select(_a).where(_a.c.queue_id.in_(ids)))
         }
         tallies = readiness.tally(conn, queue_ids=ids, now=now)
