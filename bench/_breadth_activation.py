@@ -8,7 +8,9 @@ alternating order.
 
 - ``target activation_connections_1000_queues: N (goal <= 4)``: the most connections to the
   broker database the 1,000 triggers' process held at once (``pg_stat_activity``, sampled every
-  100 ms, by the triggers' own ``application_name``);
+  100 ms, by the triggers' own ``application_name``, from their start: each phase begins
+  once the connections of the phase before are gone, since a look of the triggers just
+  cancelled can still be finishing on a connection of theirs);
 - ``target activation_p50_1000_vs_1_queue: RATIO (goal <= 1.2)``: from a SEND's commit to the
   trigger's event, median, 1,000 queues over one. Each sample SENDs one message to a queue
   (another each time, among the 1,000) and, once the trigger fired, RECEIVEs it, so that the
@@ -100,10 +102,15 @@ class _Phase:
     async def start(self, io: ThreadPoolExecutor) -> None:
         from airflow_broker.provider.triggers.hub import _listeners
 
+        # The last phase's triggers are gone, but a look of theirs that was in flight when
+        # they were cancelled may still hold a connection for a moment: not this phase's.
+        loop = asyncio.get_running_loop()
+        settle = time.monotonic() + 30
+        while await loop.run_in_executor(io, self.connections) and time.monotonic() < settle:
+            await asyncio.sleep(0.1)
         self.tasks = [asyncio.create_task(self._pump(t)) for t in self.triggers]
         self.tasks.append(asyncio.create_task(self._count(io)))
         deadline = time.monotonic() + 300
-        loop = asyncio.get_running_loop()
         while time.monotonic() < deadline:
             hubs = list(_listeners.get(loop, {}).values())
             if sum(h.refs for h in hubs) >= self.count:
