@@ -216,6 +216,147 @@ class AirflowBrokerSystem:
             broker.dispose()
 
 
+#: The far broker of ``airflow-broker-remote``: a second database beside the round's, its name
+#: the round's with this suffix (``ScratchServer.drop`` drops it with the round's).
+FAR_SUFFIX = "_far"
+NEAR, FAR = "near", "far"
+
+
+def _far_database(db: Database) -> Database:
+    from bench._scratch import database
+
+    return database(db.name[: 63 - len(FAR_SUFFIX)] + FAR_SUFFIX, db.sqlalchemy_url)
+
+
+class RemoteConsumer:
+    """The far broker's side of ``airflow-broker-remote``, untimed in what the targets read: a
+    delivery pass from the near broker (``deliver()``, one pass), then one RECEIVE TOP (batch)
+    at the far broker, committed."""
+
+    def __init__(self, db: Database, state: SetupState, batch: int) -> None:
+        from airflow_broker import Broker
+
+        far = Database(*state["far"])
+        resolver = {NEAR: db.sqlalchemy_url, FAR: far.sqlalchemy_url}
+        self.near = Broker.connect(db.sqlalchemy_url, resolver=resolver)
+        self.far = Broker.connect(far.sqlalchemy_url, resolver=resolver)
+        self.batch = batch
+
+    def receive(self) -> int:
+        self.near.deliver()
+        with self.far.transaction() as tx:
+            return len(tx.receive(TARGET_QUEUE, top=self.batch))
+
+    def end_round(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.near.dispose()
+        self.far.dispose()
+
+
+class RemoteBrokerSystem(AirflowBrokerSystem):
+    """airflow-broker SENDing to a service of another broker: the far broker is a second
+    database on the same server (routes both ways, plain dialogs). The producer is the local
+    system's (``broker.send``); the round's messages wait in the near broker's transmission
+    queue, and the consumers deliver them and RECEIVE them at the far broker. Only the send
+    time means anything against the local system's: ``target remote_send_vs_local_*``."""
+
+    name = "airflow-broker-remote"
+
+    def prepare(self, db: Database, workload: Workload) -> SetupState:
+        """The far database (created empty and migrated: a broker instance of its own), both
+        sides' definitions, and the dialogs begun, each with one message delivered and read,
+        so that the far endpoints exist and both sides converse."""
+        import psycopg
+        from psycopg import sql
+
+        from airflow_broker import DEFAULT, Broker
+
+        far = _far_database(db)
+        admin = make_admin(db)
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(far.name))
+            )
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(far.name)))
+        resolver = {NEAR: db.sqlalchemy_url, FAR: far.sqlalchemy_url}
+        near_b = Broker.connect(db.sqlalchemy_url, resolver=resolver)
+        far_b = Broker.connect(far.sqlalchemy_url, resolver=resolver)
+        batch_dialogs = workload.batch if workload.batch > 1 else 0
+        dialogs = max(workload.dialogs, batch_dialogs)
+        try:
+            far_b.migrate()
+            with far_b.definitions() as d:
+                d.create_queue(TARGET_QUEUE)
+                d.create_service(TARGET, queue=TARGET_QUEUE, contracts=[DEFAULT])
+                d.create_route("bench_to_near", service_name=INITIATOR, address=f"broker://{NEAR}")
+            with near_b.definitions() as d:
+                d.create_queue(INITIATOR_QUEUE)
+                d.create_queue(TARGET_QUEUE)  # empty: the local system's checks read it
+                d.create_service(INITIATOR, queue=INITIATOR_QUEUE, contracts=[DEFAULT])
+                d.create_route("bench_to_far", service_name=TARGET, address=f"broker://{FAR}")
+            with near_b.transaction() as tx:
+                handles = [
+                    tx.begin_dialog(INITIATOR, TARGET, encryption=False) for _ in range(dialogs)
+                ]
+                tx.send(handles, body=payload(-1))
+            for _ in range(100):
+                if not near_b.deliver().delivered and not _waiting(near_b):
+                    break
+            got = 0
+            while True:
+                with far_b.transaction() as tx:
+                    n = len(tx.receive(TARGET_QUEUE, top=1000))
+                if not n:
+                    break
+                got += n
+            if got != dialogs:
+                raise RuntimeError(f"setup: {got} messages reached the far broker, not {dialogs}")
+        finally:
+            near_b.dispose()
+            far_b.dispose()
+        return {"handles": handles, "far": (far.name, far.sqlalchemy_url, far.conninfo)}
+
+    def consumer(self, db: Database, workload: Workload, state: SetupState) -> RemoteConsumer:
+        """See :class:`RemoteConsumer`."""
+        return RemoteConsumer(db, state, workload.batch)
+
+    def remaining(self, db: Database, state: SetupState) -> int:
+        """Messages still in the near broker's transmission queue or the far target queue."""
+        import psycopg
+
+        far = Database(*state["far"])
+        with psycopg.connect(db.conninfo) as conn:
+            row = conn.execute("SELECT count(*) FROM broker_transmission_queue").fetchone()
+            left = int(row[0]) if row else 0
+        with psycopg.connect(far.conninfo) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM broker_message m JOIN broker_queue q USING (queue_id)"
+                " WHERE q.name = %s",
+                (TARGET_QUEUE,),
+            ).fetchone()
+            left += int(row[0]) if row else 0
+        return left
+
+
+def _waiting(broker: Broker) -> int:
+    from sqlalchemy import text
+
+    with broker.engine.connect() as conn:
+        return int(
+            conn.execute(text("SELECT count(*) FROM broker_transmission_queue")).scalar_one()
+        )
+
+
+def make_admin(db: Database) -> str:
+    """A conninfo to the server's ``postgres`` database, beside ``db``."""
+    from sqlalchemy import make_url
+
+    url = make_url(db.sqlalchemy_url).set(database="postgres", drivername="postgresql")
+    return url.render_as_string(hide_password=False)
+
+
 #: The port of the PgBouncer that ``airflow-broker-pgbouncer`` goes through (set by
 #: bench.pgbouncer before the reader processes start, which inherit it).
 PGBOUNCER_PORT_ENV = "BROKER_BENCH_PGBOUNCER_PORT"

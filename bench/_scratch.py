@@ -112,8 +112,10 @@ class ScratchServer:
         return database(name, self.url)
 
     def drop(self, db: Database) -> None:
-        """Drop one scratch database now."""
+        """Drop one scratch database now, with the far broker a system made beside it
+        (``airflow-broker-remote``: the same name and ``_far``)."""
         self._drop(db.name)
+        self._drop(db.name[:59] + "_far")
         if db.name in self._created:
             self._created.remove(db.name)
 

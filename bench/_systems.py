@@ -135,6 +135,13 @@ def _airflow_broker_pgbouncer() -> System:
     return PgBouncerBrokerSystem()
 
 
+def _airflow_broker_remote() -> System:
+    import airflow_broker  # noqa: F401
+    from bench._broker_system import RemoteBrokerSystem
+
+    return RemoteBrokerSystem()
+
+
 def _pgmq() -> System:
     from bench._peers import PgmqSystem
 
@@ -157,10 +164,17 @@ SYSTEMS: dict[str, Callable[[], System]] = {
     "airflow-broker": _airflow_broker,
     # the same, its producer and consumers through PgBouncer (bench.pgbouncer starts it)
     "airflow-broker-pgbouncer": _airflow_broker_pgbouncer,
+    # SEND to a service of another broker database on the same server (delivery untimed)
+    "airflow-broker-remote": _airflow_broker_remote,
     "pgmq-pop": _pgmq_pop,
     "pgmq": _pgmq,
     "pgqueuer": _pgqueuer,
 }
+
+
+#: What ``python -m bench.throughput`` measures unless ``--systems`` says otherwise (the
+#: PgBouncer system runs under ``python -m bench.pgbouncer``, which starts the pooler).
+DEFAULT_SYSTEMS = [name for name in SYSTEMS if name != "airflow-broker-pgbouncer"]
 
 
 def get_system(name: str) -> System:

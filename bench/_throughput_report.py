@@ -12,6 +12,10 @@ PEER = "pgmq-pop"
 PEER_GOALS: dict[str, float] = {"single": 1.0, "batched": 1.5}
 #: Goal of ``target deep_queue_vs_empty``.
 DEEP_GOAL = 0.8
+#: airflow-broker SENDing to a service of another broker database (bench/_broker_system.py).
+REMOTE = "airflow-broker-remote"
+#: Goal of ``target remote_send_vs_local_{workload}``.
+REMOTE_GOAL = 0.8
 #: The reader counts a target is the lowest ratio over (when measured).
 TARGET_READERS = (1, 2)
 #: How a peer is named in the ratio lines.
@@ -155,7 +159,7 @@ def ratio_lines(rows: Sequence[Row], peers: Sequence[str]) -> tuple[list[str], l
     targets: list[str] = []
     infos: list[str] = []
     workloads = list(dict.fromkeys(r.workload for r in rows))
-    for peer in (p for p in peers if p != OURS):
+    for peer in (p for p in peers if not p.startswith(OURS)):
         for workload in workloads:
             ratios = {
                 n: rate[(OURS, workload, n, 0)] / rate[(peer, workload, n, 0)]
@@ -177,6 +181,7 @@ def ratio_lines(rows: Sequence[Row], peers: Sequence[str]) -> tuple[list[str], l
                 infos.append(
                     f"info {name}: {_lowest(ratios):.2f} (lowest of 1, 2 readers; {detail})"
                 )
+    targets += _remote_lines(rows)
     deep = _deep_ratios(rows, lambda r: r.rate)
     receive = _deep_ratios(rows, lambda r: r.receive_rate)
     for system, ratios in deep.items():
@@ -228,3 +233,28 @@ def _lowest_deep(ratios: dict[tuple[str, int], float]) -> float:
     """The lowest over every workload, at :data:`TARGET_READERS` when any of them was measured."""
     chosen = [v for (_, n), v in ratios.items() if n in TARGET_READERS] or list(ratios.values())
     return min(chosen)
+
+
+def _remote_lines(rows: Sequence[Row]) -> list[str]:
+    """``target remote_send_vs_local_{workload}``: SENDs a second to a service of another
+    broker over SENDs a second to a local service (the send time alone: delivery is the far
+    side's), same workload and readers, the lowest of 1 and 2 readers."""
+    send = {
+        (r.system, r.workload, r.readers): r.messages / r.round.send_seconds
+        for r in rows
+        if not r.backlog
+    }
+    lines = []
+    for workload in dict.fromkeys(r.workload for r in rows):
+        ratios = {
+            n: send[(REMOTE, w, n)] / send[(OURS, w, n)]
+            for (system, w, n) in send
+            if system == REMOTE and w == workload and (OURS, w, n) in send
+        }
+        if ratios:
+            detail = _detail((f"readers {k}", v) for k, v in sorted(ratios.items()))
+            lines.append(
+                f"target remote_send_vs_local_{workload}: {_lowest(ratios):.2f} "
+                f"(goal >= {REMOTE_GOAL}; {detail})"
+            )
+    return lines

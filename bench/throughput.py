@@ -86,7 +86,7 @@ import psycopg
 from bench._reader import Command, DrainResult, Reply, reader_main
 from bench._scratch import Database, ScratchServer, vacuum
 from bench._systems import (
-    SYSTEMS,
+    DEFAULT_SYSTEMS,
     Backlogged,
     Producer,
     SetupState,
@@ -108,7 +108,7 @@ from bench._throughput_report import (
 BACKLOG_SYSTEMS = (OURS, PEER)
 #: Connections one consumer holds (airflow-broker: three, as counted in pg_stat_activity during
 #: a run); the others hold one. A producer holds about one.
-CONSUMER_CONNECTIONS = {OURS: 3}
+CONSUMER_CONNECTIONS = {OURS: 3, "airflow-broker-remote": 5}
 READY_TIMEOUT = 120.0
 ROUND_TIMEOUT = 900.0
 
@@ -437,7 +437,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--systems", type=csv, default=list(SYSTEMS), help="comma-separated; default: %(default)s"
+        "--systems",
+        type=csv,
+        default=list(DEFAULT_SYSTEMS),
+        help="comma-separated; default: %(default)s",
     )
     p.add_argument("--workloads", type=csv, default=["single", "batched"])
     p.add_argument(

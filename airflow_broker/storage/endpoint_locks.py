@@ -83,10 +83,59 @@ CREATE OR REPLACE FUNCTION broker_send_one(
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
 DECLARE
     v_far uuid;
+    v_far_instance varchar;
     v_seq bigint;
 BEGIN
-    SELECT far_handle INTO v_far
+    SELECT far_handle, far_broker_instance INTO v_far, v_far_instance
     FROM broker_conversation_endpoint WHERE conversation_handle = p_handle;
+    IF v_far_instance IS NOT NULL AND v_far_instance <> (SELECT instance_id FROM broker_instance)
+       AND (v_far IS NULL OR NOT EXISTS (SELECT 1 FROM broker_conversation_endpoint
+                                         WHERE conversation_handle = v_far)) THEN
+        -- The far side lives in another broker, known since its first answer: the message
+        -- waits in the transmission queue for a delivery pass, in clear. Not when the dialog is
+        -- secure (a session key, or one due: an initiator with ENCRYPTION or a remote service
+        -- binding for its far service): the general path seals it. (A local dialog's
+        -- far_broker_instance is NULL or this broker's.)
+        WITH seen AS (
+            SELECT send_sequence FROM broker_conversation_endpoint
+            WHERE conversation_handle = p_handle
+        ), snd AS (
+            UPDATE broker_conversation_endpoint e
+            SET send_sequence = e.send_sequence + 1,
+                state = CASE WHEN e.state = 'SO' THEN 'CO' ELSE e.state END
+            FROM broker_queue q, broker_contract_message cm
+            WHERE e.conversation_handle = p_handle
+              AND e.state IN ('SO', 'SI', 'CO')
+              AND e.send_sequence = (SELECT send_sequence FROM seen)
+              AND (e.lifetime IS NULL OR e.lifetime > p_now)
+              AND q.queue_id = e.queue_id AND NOT q.retention
+              AND cm.contract_name = e.contract_name AND cm.message_type_name = p_message_type
+              AND cm.sent_by IN ('any',
+                                 CASE WHEN e.is_initiator THEN 'initiator' ELSE 'target' END)
+              AND NOT EXISTS (SELECT 1 FROM broker_dialog_key k
+                              WHERE k.conversation_handle = e.conversation_handle)
+              AND (NOT e.is_initiator
+                   OR (NOT coalesce(e.encryption, false)
+                       AND NOT EXISTS (SELECT 1 FROM broker_remote_service_binding b
+                                       WHERE b.service = e.far_service)))
+            RETURNING e.send_sequence - 1 AS seq, e.*
+        ), ins AS (
+            INSERT INTO broker_transmission_queue (
+                conversation_handle, conversation_id, is_initiator, from_service_name,
+                from_broker_instance, to_service_name, to_broker_instance,
+                service_contract_name, message_type_name, message_sequence_number, priority,
+                validation, message_body, lifetime, enqueued_at, transmission_status, attempts,
+                next_attempt_at)
+            SELECT conversation_handle, conversation_id, is_initiator, service_name,
+                   (SELECT instance_id FROM broker_instance), far_service,
+                   far_broker_instance, contract_name, p_message_type, seq, priority,
+                   p_validation, p_body, lifetime, p_now,
+                   'waiting for delivery to broker instance ' || far_broker_instance, 0, p_now
+            FROM snd
+        )
+        SELECT seq INTO v_seq FROM snd;
+        RETURN v_seq;
+    END IF;
     IF v_far IS NULL THEN
         RETURN NULL;
     END IF;
