@@ -90,12 +90,15 @@ BEGIN
     FROM broker_conversation_endpoint WHERE conversation_handle = p_handle;
     IF v_far_instance IS NOT NULL AND v_far_instance <> (SELECT instance_id FROM broker_instance)
        AND (v_far IS NULL OR NOT EXISTS (SELECT 1 FROM broker_conversation_endpoint
-                                         WHERE conversation_handle = v_far)) THEN
+                                         WHERE conversation_handle = v_far))
+       AND has_table_privilege('broker_dialog_key', 'SELECT')
+       AND has_table_privilege('broker_remote_service_binding', 'SELECT') THEN
         -- The far side lives in another broker, known since its first answer: the message
         -- waits in the transmission queue for a delivery pass, in clear. Not when the dialog is
         -- secure (a session key, or one due: an initiator with ENCRYPTION or a remote service
         -- binding for its far service): the general path seals it. (A local dialog's
-        -- far_broker_instance is NULL or this broker's.)
+        -- far_broker_instance is NULL or this broker's.) A client role that may not read the
+        -- keys and bindings takes the general path, which leaves the sealing to the owner.
         WITH seen AS (
             SELECT send_sequence FROM broker_conversation_endpoint
             WHERE conversation_handle = p_handle
