@@ -169,3 +169,27 @@ def test_a_dialog_with_encryption_never_takes_the_path_in_clear(pair: tp.Net) ->
     with counted as seen:
         a.send(handle, body={"n": 1})
     assert len(seen) > 1, "an ENCRYPTION dialog took the path in clear"
+
+
+def test_a_batched_remote_send_is_one_round_trip_and_all_or_nothing(pair: tp.Net) -> None:
+    """SEND on 20 dialogs to the far service: one statement. With one of them secured
+    (ENCRYPTION), none goes by that statement: all by the general path, in the same order."""
+    a, b = pair["a"], pair["b"]
+    handles = tp.send_dialogs(a, [1] * 20)
+    tp.deliver_until_empty(a)
+    assert len(tp.drain_all(b, tp.TARGET_QUEUE)) == 20
+    a.send(handles, body={"n": 1})
+    counted = Statements(a)
+    with counted as seen:
+        a.send(handles, body={"n": 2})
+    assert len(seen) == 1, seen
+    with a.engine.begin() as conn:
+        e = s.conversation_endpoint
+        conn.execute(
+            e.update().where(e.c.conversation_handle == handles[7]).values(encryption=True)
+        )
+    with counted as seen, a.transaction() as tx:
+        tx.send(handles, body={"n": 3})
+    assert len(seen) > 2, "a batch with a secured dialog went by the statement in clear"
+    rows = waiting(a, handles[0])
+    assert [r.message_sequence_number for r in rows] == [1, 2, 3]

@@ -197,7 +197,66 @@ CREATE OR REPLACE FUNCTION broker_send_many(
     p_body bytea, p_now timestamptz, p_row_lock boolean
 ) RETURNS SETOF uuid LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+DECLARE
+    v_instance varchar := (SELECT instance_id FROM broker_instance);
 BEGIN
+    -- Every conversation's far side in another broker, known since its first answer (see
+    -- broker_send_one): the messages wait in the transmission queue, in clear, written here
+    -- when every dialog may send this message type and none is secure; else nothing.
+    IF has_table_privilege('broker_dialog_key', 'SELECT')
+       AND has_table_privilege('broker_remote_service_binding', 'SELECT')
+       AND NOT EXISTS (
+           SELECT 1 FROM broker_conversation_endpoint e
+           WHERE e.conversation_handle = ANY(p_handles)
+             AND (e.far_broker_instance IS NULL OR e.far_broker_instance = v_instance
+                  OR EXISTS (SELECT 1 FROM broker_conversation_endpoint f
+                             WHERE f.conversation_handle = e.far_handle))) THEN
+        RETURN QUERY
+        WITH cand AS (
+            SELECT e.conversation_handle, e.send_sequence AS seen_sequence,
+                   e.state AS seen_state
+            FROM broker_conversation_endpoint e
+            JOIN broker_queue q ON q.queue_id = e.queue_id AND NOT q.retention
+            JOIN broker_contract_message cm
+              ON cm.contract_name = e.contract_name AND cm.message_type_name = p_message_type
+             AND cm.sent_by IN ('any',
+                                CASE WHEN e.is_initiator THEN 'initiator' ELSE 'target' END)
+            WHERE e.conversation_handle = ANY(p_handles)
+              AND e.state IN ('SO', 'SI', 'CO')
+              AND (e.lifetime IS NULL OR e.lifetime > p_now)
+              AND NOT EXISTS (SELECT 1 FROM broker_dialog_key k
+                              WHERE k.conversation_handle = e.conversation_handle)
+              AND (NOT e.is_initiator
+                   OR (NOT coalesce(e.encryption, false)
+                       AND NOT EXISTS (SELECT 1 FROM broker_remote_service_binding b
+                                       WHERE b.service = e.far_service)))
+        ), snd AS (
+            UPDATE broker_conversation_endpoint e
+            SET send_sequence = e.send_sequence + 1,
+                state = CASE WHEN e.state = 'SO' THEN 'CO' ELSE e.state END
+            FROM cand
+            WHERE e.conversation_handle = cand.conversation_handle
+              AND (SELECT count(*) FROM cand) = cardinality(p_handles)
+              AND e.send_sequence = cand.seen_sequence AND e.state = cand.seen_state
+            RETURNING e.send_sequence - 1 AS seq, e.*
+        ), ins AS (
+            INSERT INTO broker_transmission_queue (
+                conversation_handle, conversation_id, is_initiator, from_service_name,
+                from_broker_instance, to_service_name, to_broker_instance,
+                service_contract_name, message_type_name, message_sequence_number, priority,
+                validation, message_body, lifetime, enqueued_at, transmission_status,
+                attempts, next_attempt_at)
+            SELECT snd.conversation_handle, snd.conversation_id, snd.is_initiator,
+                   snd.service_name, v_instance, snd.far_service, snd.far_broker_instance,
+                   snd.contract_name, p_message_type, snd.seq, snd.priority, p_validation,
+                   p_body, snd.lifetime, p_now,
+                   'waiting for delivery to broker instance ' || snd.far_broker_instance, 0,
+                   p_now
+            FROM snd
+        )
+        SELECT snd.conversation_handle FROM snd;
+        RETURN;
+    END IF;
     -- The far endpoints, locked in handle order (as removers lock them).
     IF p_row_lock THEN
         PERFORM 1 FROM broker_conversation_endpoint f
