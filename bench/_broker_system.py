@@ -286,6 +286,9 @@ class RemoteBrokerSystem(AirflowBrokerSystem):
         batch_dialogs = workload.batch if workload.batch > 1 else 0
         dialogs = max(workload.dialogs, batch_dialogs)
         try:
+            # The round's database is a clone of the template: a copy, as the broker sees it,
+            # which delivers nothing until it has an identity of its own.
+            near_b.reset_identity("new_broker")
             far_b.migrate()
             with far_b.definitions() as d:
                 d.create_queue(TARGET_QUEUE)
