@@ -58,6 +58,11 @@ healthy broker C while broker B, reached through a proxy that stops answering, h
 the same with B healthy (``--hung-rounds`` of each, ``--hung-dialogs`` dialogs to C):
 ``target delivery_with_hung_peer_vs_healthy: RATIO (goal >= 0.8)``.
 
+Request and reply (``bench/_request_reply.py``), last: ``--exchanges`` exchanges a round (a
+request SENT, delivered, RECEIVEd and answered, the answer delivered and RECEIVEd, one message
+per transaction) between two broker databases, against the same exchange inside one database:
+``target request_reply_two_brokers_vs_one: RATIO (goal >= 0.5)``.
+
 What the broker adds to the floor: per batch the copy writes the rows once and deletes them once.
 The broker does that too, and on top: a target endpoint and conversation group for every new dialog,
 the far endpoints' sequence numbers, the target queue's three indexes and its NOTIFY trigger,
@@ -84,7 +89,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from bench import _delivery_floor as floor
-from bench import _hung_peer
+from bench import _hung_peer, _request_reply
 from bench._scratch import Database, ScratchServer, quiesce
 from bench._statement_times import StatementTimes
 
@@ -532,6 +537,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="N",
         help="time every SQL statement of deliver() (plain dialogs) and print the N costliest",
     )
+    p.add_argument(
+        "--exchanges",
+        type=int,
+        default=300,
+        help="request-reply exchanges per round, two brokers against one (0: none)",
+    )
     p.add_argument("--hung-rounds", type=int, default=2, help="hung-peer rounds (0: none)")
     p.add_argument("--hung-dialogs", type=int, default=2000, help="hung-peer dialogs to C")
     p.add_argument(
@@ -592,6 +603,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         hung = _hung_peer.run(
             server, args.hung_rounds, args.hung_dialogs, args.hung_dialogs // 5, args.messages
         )
+        if args.exchanges:
+            hung += _request_reply.measure(server, args.exchanges, args.rounds)
     finally:
         server.drop_all()
     print(format_table(results, batch))
