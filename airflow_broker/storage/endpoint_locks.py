@@ -78,6 +78,38 @@ def exclude_writers(conn: Connection, handles: Sequence[uuid.UUID]) -> None:
 # The statements are SEND's one-statement fast path (messaging.fast_send) with the far endpoint
 # read after it is locked. They return what the fast path sent on (nothing: the caller takes the
 # general path, which says precisely what is wrong).
+# The remote branch of both SEND functions (migration 0029). A client role that may not read
+# the keys and bindings takes the general path, which leaves the sealing to the owner.
+_MAY_READ_SECURITY = """has_table_privilege('broker_dialog_key', 'SELECT')
+       AND has_table_privilege('broker_remote_service_binding', 'SELECT')"""
+# Sender ``e``'s dialog is in clear: no session key, and for an initiator neither ENCRYPTION
+# nor a remote service binding for its far service (what the general path would decide).
+_IN_CLEAR = """NOT EXISTS (SELECT 1 FROM broker_dialog_key k
+                              WHERE k.conversation_handle = e.conversation_handle)
+              AND (NOT e.is_initiator
+                   OR (NOT coalesce(e.encryption, false)
+                       AND NOT EXISTS (SELECT 1 FROM broker_remote_service_binding b
+                                       WHERE b.service = e.far_service)))"""
+
+
+def _to_transmission(instance: str) -> str:
+    """The INSERT of the transmission-queue rows of what CTE ``snd`` (the senders' endpoint
+    rows and ``seq``) sent, from broker instance ``instance`` (an SQL expression)."""
+    return f"""INSERT INTO broker_transmission_queue (
+                conversation_handle, conversation_id, is_initiator, from_service_name,
+                from_broker_instance, to_service_name, to_broker_instance,
+                service_contract_name, message_type_name, message_sequence_number, priority,
+                validation, message_body, lifetime, enqueued_at, transmission_status,
+                attempts, next_attempt_at)
+            SELECT snd.conversation_handle, snd.conversation_id, snd.is_initiator,
+                   snd.service_name, {instance}, snd.far_service, snd.far_broker_instance,
+                   snd.contract_name, p_message_type, snd.seq, snd.priority, p_validation,
+                   p_body, snd.lifetime, p_now,
+                   'waiting for delivery to broker instance ' || snd.far_broker_instance, 0,
+                   p_now
+            FROM snd"""
+
+
 SEND_ONE_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION broker_send_one(
     p_handle uuid, p_message_type varchar, p_precedence smallint, p_validation varchar,
@@ -94,14 +126,12 @@ BEGIN
     IF v_far_instance IS NOT NULL AND v_far_instance <> (SELECT instance_id FROM broker_instance)
        AND (v_far IS NULL OR NOT EXISTS (SELECT 1 FROM broker_conversation_endpoint
                                          WHERE conversation_handle = v_far))
-       AND has_table_privilege('broker_dialog_key', 'SELECT')
-       AND has_table_privilege('broker_remote_service_binding', 'SELECT') THEN
+       AND {_MAY_READ_SECURITY} THEN
         -- The far side lives in another broker, known since its first answer: the message
         -- waits in the transmission queue for a delivery pass, in clear. Not when the dialog is
         -- secure (a session key, or one due: an initiator with ENCRYPTION or a remote service
         -- binding for its far service): the general path seals it. (A local dialog's
-        -- far_broker_instance is NULL or this broker's.) A client role that may not read the
-        -- keys and bindings takes the general path, which leaves the sealing to the owner.
+        -- far_broker_instance is NULL or this broker's.)
         WITH seen AS (
             SELECT send_sequence FROM broker_conversation_endpoint
             WHERE conversation_handle = p_handle
@@ -118,26 +148,10 @@ BEGIN
               AND cm.contract_name = e.contract_name AND cm.message_type_name = p_message_type
               AND cm.sent_by IN ('any',
                                  CASE WHEN e.is_initiator THEN 'initiator' ELSE 'target' END)
-              AND NOT EXISTS (SELECT 1 FROM broker_dialog_key k
-                              WHERE k.conversation_handle = e.conversation_handle)
-              AND (NOT e.is_initiator
-                   OR (NOT coalesce(e.encryption, false)
-                       AND NOT EXISTS (SELECT 1 FROM broker_remote_service_binding b
-                                       WHERE b.service = e.far_service)))
+              AND {_IN_CLEAR}
             RETURNING e.send_sequence - 1 AS seq, e.*
         ), ins AS (
-            INSERT INTO broker_transmission_queue (
-                conversation_handle, conversation_id, is_initiator, from_service_name,
-                from_broker_instance, to_service_name, to_broker_instance,
-                service_contract_name, message_type_name, message_sequence_number, priority,
-                validation, message_body, lifetime, enqueued_at, transmission_status, attempts,
-                next_attempt_at)
-            SELECT conversation_handle, conversation_id, is_initiator, service_name,
-                   (SELECT instance_id FROM broker_instance), far_service,
-                   far_broker_instance, contract_name, p_message_type, seq, priority,
-                   p_validation, p_body, lifetime, p_now,
-                   'waiting for delivery to broker instance ' || far_broker_instance, 0, p_now
-            FROM snd
+            {_to_transmission("(SELECT instance_id FROM broker_instance)")}
         )
         SELECT seq INTO v_seq FROM snd;
         RETURN v_seq;
@@ -206,8 +220,7 @@ BEGIN
     -- Every conversation's far side in another broker, known since its first answer (see
     -- broker_send_one): the messages wait in the transmission queue, in clear, written here
     -- when every dialog may send this message type and none is secure; else nothing.
-    IF has_table_privilege('broker_dialog_key', 'SELECT')
-       AND has_table_privilege('broker_remote_service_binding', 'SELECT')
+    IF {_MAY_READ_SECURITY}
        AND NOT EXISTS (
            SELECT 1 FROM broker_conversation_endpoint e
            WHERE e.conversation_handle = ANY(p_handles)
@@ -227,12 +240,7 @@ BEGIN
             WHERE e.conversation_handle = ANY(p_handles)
               AND e.state IN ('SO', 'SI', 'CO')
               AND (e.lifetime IS NULL OR e.lifetime > p_now)
-              AND NOT EXISTS (SELECT 1 FROM broker_dialog_key k
-                              WHERE k.conversation_handle = e.conversation_handle)
-              AND (NOT e.is_initiator
-                   OR (NOT coalesce(e.encryption, false)
-                       AND NOT EXISTS (SELECT 1 FROM broker_remote_service_binding b
-                                       WHERE b.service = e.far_service)))
+              AND {_IN_CLEAR}
         ), snd AS (
             UPDATE broker_conversation_endpoint e
             SET send_sequence = e.send_sequence + 1,
@@ -243,19 +251,7 @@ BEGIN
               AND e.send_sequence = cand.seen_sequence AND e.state = cand.seen_state
             RETURNING e.send_sequence - 1 AS seq, e.*
         ), ins AS (
-            INSERT INTO broker_transmission_queue (
-                conversation_handle, conversation_id, is_initiator, from_service_name,
-                from_broker_instance, to_service_name, to_broker_instance,
-                service_contract_name, message_type_name, message_sequence_number, priority,
-                validation, message_body, lifetime, enqueued_at, transmission_status,
-                attempts, next_attempt_at)
-            SELECT snd.conversation_handle, snd.conversation_id, snd.is_initiator,
-                   snd.service_name, v_instance, snd.far_service, snd.far_broker_instance,
-                   snd.contract_name, p_message_type, snd.seq, snd.priority, p_validation,
-                   p_body, snd.lifetime, p_now,
-                   'waiting for delivery to broker instance ' || snd.far_broker_instance, 0,
-                   p_now
-            FROM snd
+            {_to_transmission("v_instance")}
         )
         SELECT snd.conversation_handle FROM snd;
         RETURN;
