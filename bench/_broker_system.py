@@ -216,16 +216,16 @@ class AirflowBrokerSystem:
             broker.dispose()
 
 
-#: The far broker of ``airflow-broker-remote``: a second database beside the round's, its name
-#: the round's with this suffix (``ScratchServer.drop`` drops it with the round's).
-FAR_SUFFIX = "_far"
+#: The names the two brokers of ``airflow-broker-remote`` have for each other (routes).
 NEAR, FAR = "near", "far"
 
 
 def _far_database(db: Database) -> Database:
-    from bench._scratch import database
+    """The far broker of ``airflow-broker-remote``: a second database beside the round's
+    (``ScratchServer.drop`` drops it with the round's)."""
+    from bench._scratch import database, far_name
 
-    return database(db.name[: 63 - len(FAR_SUFFIX)] + FAR_SUFFIX, db.sqlalchemy_url)
+    return database(far_name(db.name), db.sqlalchemy_url)
 
 
 class RemoteConsumer:
@@ -274,7 +274,7 @@ class RemoteBrokerSystem(AirflowBrokerSystem):
         from airflow_broker import DEFAULT, Broker
 
         far = _far_database(db)
-        admin = make_admin(db)
+        admin = _admin_conninfo(db)
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(far.name))
@@ -352,7 +352,7 @@ def _waiting(broker: Broker) -> int:
         )
 
 
-def make_admin(db: Database) -> str:
+def _admin_conninfo(db: Database) -> str:
     """A conninfo to the server's ``postgres`` database, beside ``db``."""
     from sqlalchemy import make_url
 

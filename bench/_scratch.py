@@ -42,6 +42,11 @@ def database(name: str, url: str | None = None) -> Database:
     return Database(name, on_db.render_as_string(hide_password=False), conninfo)
 
 
+def far_name(name: str) -> str:
+    """The name of the far broker's database a system creates beside database ``name``."""
+    return name[:59] + "_far"
+
+
 class ScratchServer:
     """Creates, clones, vacuums and drops the benchmark's databases; remembers what to drop."""
 
@@ -113,9 +118,9 @@ class ScratchServer:
 
     def drop(self, db: Database) -> None:
         """Drop one scratch database now, with the far broker a system made beside it
-        (``airflow-broker-remote``: the same name and ``_far``)."""
+        (``airflow-broker-remote``: :func:`far_name`)."""
         self._drop(db.name)
-        self._drop(db.name[:59] + "_far")
+        self._drop(far_name(db.name))
         if db.name in self._created:
             self._created.remove(db.name)
 

@@ -249,7 +249,7 @@ def quiet_monitors(broker: BrokerContext, monitors: Sequence[Watched]) -> dict[W
     """Of ``monitors``, those whose :meth:`Monitor.check` would do nothing now (neither fire
     nor write), each with why; the others are absent and need their full look. Five statements
     whatever the number of monitors, none of them a write or a lock: the idle ones first
-    (:func:`idle_monitors`), then, for the rest, each queue's settings, its monitors' state,
+    (:func:`_idle`), then, for the rest, each queue's settings, its monitors' state,
     its messages by state and its reader rows, read once for all of them, and for each monitor
     :func:`~airflow_broker.activation.decision.decide` applied as its full look would. A
     monitor whose state row or queue is missing is not quiet: its full look makes the row, or
@@ -316,25 +316,14 @@ def quiet_monitors(broker: BrokerContext, monitors: Sequence[Watched]) -> dict[W
 _NO_READERS = ReaderRows()
 
 
-def idle_monitors(
-    broker: BrokerContext, monitors: Sequence[tuple[int, str]]
-) -> set[tuple[int, str]]:
-    """Of ``monitors`` (queue id, monitor key), those with nothing to do: no message waits in
+def _idle(conn: Connection, wanted: list[tuple[int, str]]) -> set[tuple[int, str]]:
+    """Of ``wanted`` (queue id, monitor key), those with nothing to do: no message waits in
     the queue (ready, held or leased), no reader of it is starting, running or unaccounted
     for, and the monitor's last look recorded it empty. :meth:`Monitor.check` would neither
     fire nor write anything for them (bar purging reader rows finished long ago, which its next
     real look does), in any mode; and only a new message can change that (its INSERT notifies
-    the queue's channel). A trigger holding many queues asks this once for all of them (one
-    statement) and makes its full look only for the others. A queue id that no longer exists
-    is not idle: its look by name reports what happened."""
-    wanted = list(dict.fromkeys(monitors))
-    if not wanted:
-        return set()
-    with broker.read_connection() as conn:
-        return _idle(conn, wanted)
-
-
-def _idle(conn: Connection, wanted: list[tuple[int, str]]) -> set[tuple[int, str]]:
+    the queue's channel). One statement for all of them (:func:`quiet_monitors`' first). A
+    queue id that no longer exists is not idle: its look by name reports what happened."""
     if conn.dialect.name == "postgresql":
         rows = conn.execute(
             _IDLE_PG,

@@ -383,7 +383,8 @@ def _find(
     steps: list[tuple[str, Callable[[Connection], Found]]] = [
         (check.__name__.strip("_"), check) for check in _CHECKS
     ]
-    steps += [("dead_reader_leases", _once(broker)[0]), ("stray_lease_marks", _once(broker)[1])]
+    dead_leases, stray_marks = _once(broker)
+    steps += [("dead_reader_leases", dead_leases), ("stray_lease_marks", stray_marks)]
     reported = started
     for n, (name, check) in enumerate(steps, 1):
         for kind, obj, detail in check(streamed):

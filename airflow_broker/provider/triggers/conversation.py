@@ -112,14 +112,14 @@ def conversation_ready(
     return None
 
 
-def idle_conversations(broker: Broker, handles: Sequence[str]) -> set[str]:
-    """Of the conversations ``handles`` (as text), those with nothing for their trigger: the
-    endpoint exists and is not closed, and no message waits on it. The triggers waiting on
-    many conversations of one queue are all woken by a message to any of them: this sorts them
-    out in one statement, and only the others make their full look."""
+def idle_conversations(broker: Broker, handles: Sequence[str]) -> dict[str, Any]:
+    """Of the conversations ``handles`` (as text), those with nothing for their trigger, each
+    mapped to :data:`IDLE`: the endpoint exists and is not closed, and no message waits on it.
+    The triggers waiting on many conversations of one queue are all woken by a message to any
+    of them: this sorts them out in one statement, and only the others make their full look."""
     by_id = {as_uuid(h, "conversation handle"): h for h in handles}
     if not by_id:
-        return set()
+        return {}
     e, m = s.conversation_endpoint, s.message
     waiting = select(m.c.conversation_handle).where(
         m.c.conversation_handle == e.c.conversation_handle, m.c.status == STATUS_READY
@@ -130,7 +130,7 @@ def idle_conversations(broker: Broker, handles: Sequence[str]) -> set[str]:
                 e.c.conversation_handle.in_(list(by_id)), e.c.state != "CD", ~waiting.exists()
             )
         ).scalars()
-        return {by_id[handle] for handle in rows if handle in by_id}
+        return {by_id[handle]: IDLE for handle in rows if handle in by_id}
 
 
 class ConversationMessageTrigger(BaseTrigger):

@@ -344,9 +344,8 @@ def aligned(limit: float, now: float) -> float:
 # ---------------------------------------------------------------------------------------------
 
 #: ``sort_out(broker, items)``: of the items asked about in one batch, those whose full look
-#: would find nothing to do (it is skipped), either as a set (their result is :data:`IDLE`) or
-#: as a mapping from each to the result to give instead.
-SortOut = Callable[[Any, Any], "set[Any] | Mapping[Any, Any]"]
+#: would find nothing to do (it is skipped), each mapped to the result to give instead.
+SortOut = Callable[[Any, Any], Mapping[Any, Any]]
 
 
 class _Idle:
@@ -383,7 +382,7 @@ class Looks:
 
     async def ask(self, sort_out: SortOut, item: Hashable, full: Callable[[], _R]) -> _R | Any:
         """``full()`` (in the database's threads) unless ``sort_out`` finds ``item`` has
-        nothing to do (then what it says instead: :data:`IDLE` for a set)."""
+        nothing to do (then what it maps ``item`` to instead)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._pending.setdefault(sort_out, []).append(_Ask(item, full, future))
@@ -394,11 +393,10 @@ class Looks:
     def _sort(self, batch: dict[SortOut, list[_Ask]]) -> dict[SortOut, Mapping[Hashable, Any]]:
         if self.before is not None:
             self.before(self.broker)
-        found: dict[SortOut, Mapping[Hashable, Any]] = {}
-        for sort_out, asks in batch.items():
-            quiet = sort_out(self.broker, list(dict.fromkeys(a.item for a in asks)))
-            found[sort_out] = quiet if isinstance(quiet, Mapping) else dict.fromkeys(quiet, IDLE)
-        return found
+        return {
+            sort_out: sort_out(self.broker, list(dict.fromkeys(a.item for a in asks)))
+            for sort_out, asks in batch.items()
+        }
 
     async def _full(self, ask: _Ask) -> None:
         try:
