@@ -128,6 +128,7 @@ class ScratchServer:
         """Drop every database this server object created (templates included)."""
         for name in reversed(self._created):
             self._drop(name)
+            self._drop(far_name(name))
         self._created.clear()
         self._templates.clear()
 
