@@ -57,7 +57,10 @@ from transport_procs import (
 
 from airflow_broker import Broker, Message
 from airflow_broker.storage import bulk
+from airflow_broker.storage import direct as storage_direct
+from airflow_broker.storage.accept_function import ACCEPT_PLAIN
 from airflow_broker.transport import DeliveryReport, Transport
+from airflow_broker.transport import direct as direct_delivery
 
 pytestmark = [pytest.mark.postgres, pytest.mark.xdist_group("hung_peer")]
 
@@ -277,8 +280,9 @@ def test_while_b_hangs_for_a_minute_c_gets_every_message_within_seconds(
 class Cut:
     """Freezes B's cluster once, at one point of a delivery to it (``point``), after
     :meth:`arm`: right after a COPY into broker_message on a connection to B ("insert"), at
-    the commit of a transaction that did one ("commit"), or in ``Transport.after_push`` of a
-    push to broker://b ("after push")."""
+    the commit of a transaction that did one or as the one statement that takes known
+    conversations (``broker_accept_plain``, which commits on its own) goes to B ("commit"), or
+    in ``Transport.after_push`` of a push to broker://b ("after push")."""
 
     def __init__(self, cluster: FrozenCluster, point: str) -> None:
         self.cluster = cluster
@@ -312,6 +316,10 @@ class Cut:
         if conn.info.pop("hung_peer_test_copied", False) and self._to_b(conn):
             self.fire("commit")
 
+    def accepting(self, engine: Engine) -> None:
+        if engine.url.port == self.cluster.port:
+            self.fire("commit")
+
     def after_push(self, address: str) -> None:
         if address == "broker://b":
             self.fire("after push")
@@ -334,8 +342,21 @@ def cut_at(
         after_push(self, address, sent)
         cut.after_push(address)
 
-    # Every insert into a queue goes through bulk._copy_rows (COPY: no SQLAlchemy event sees it).
+    # Every insert into a queue goes through bulk._copy_rows (COPY: no SQLAlchemy event sees it),
+    # but for known conversations, which broker_accept_plain takes in one statement that commits
+    # on its own: it has no moment between its insert and its commit, so the "insert" case
+    # delivers by the general accept, and the "commit" case freezes B as the statement goes.
     monkeypatch.setattr(bulk, "_copy_rows", copying)
+    if cut.point == "insert":
+        monkeypatch.setattr(direct_delivery, "_accept_known", lambda *_args: None)
+    execute_committed = storage_direct.execute_committed
+
+    def committed(fairy: Any, engine: Engine, statement: Any, args: Any) -> Any:
+        if statement is ACCEPT_PLAIN:
+            cut.accepting(engine)
+        return execute_committed(fairy, engine, statement, args)
+
+    monkeypatch.setattr(storage_direct, "execute_committed", committed)
     monkeypatch.setattr(Transport, "after_push", pushed)
     # Small batches: a pass pushes to B several times (the "after push" case cuts a later one).
     monkeypatch.setattr(Transport, "BATCH", 4)

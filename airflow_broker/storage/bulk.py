@@ -47,6 +47,8 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.selectable import TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
+from airflow_broker.storage import direct
+
 
 def _pg_type(sa_type: TypeEngine[Any]) -> str:
     # Order matters: BigInteger and SmallInteger are Integers.
@@ -253,25 +255,23 @@ def delete_ranges(
     conn: Connection, table: Table, key: str, number: str, ranges: Sequence[Sequence[Any]]
 ) -> None:
     """PostgreSQL: DELETE the rows whose ``key`` is a range's and whose ``number`` is between
-    its first and last (inclusive), for ``(key, first, last)`` ranges."""
+    its first and last (inclusive), for ``(key, first, last)`` ranges. One round trip, BEGIN
+    included when it is the transaction's first statement (:mod:`.direct`)."""
     if ranges:
-        conn.execute(
-            _delete_runs_sql(table, key, number),
-            {
-                "k": [r[0] for r in ranges],
-                "first": [r[1] for r in ranges],
-                "last": [r[2] for r in ranges],
-            },
+        direct.execute(
+            conn,
+            _delete_runs_statement(table, key, number),
+            [[r[0] for r in ranges], [r[1] for r in ranges], [r[2] for r in ranges]],
         )
 
 
 @cache
-def _delete_runs_sql(table: Table, key: str, number: str) -> TextClause:
+def _delete_runs_statement(table: Table, key: str, number: str) -> direct.Prepared:
     k, n = _pg_type(table.c[key].type), _pg_type(table.c[number].type)
-    return text(
-        f"DELETE FROM {table.name} AS t USING unnest(CAST(:k AS {k}[]), CAST(:first AS {n}[]), "
-        f"CAST(:last AS {n}[])) AS r(k, first, last) "
-        f"WHERE t.{key} = r.k AND t.{number} BETWEEN r.first AND r.last"
+    return direct.Prepared(
+        f"DELETE FROM {table.name} AS t USING unnest($1, $2, $3) AS r(k, first, last) "
+        f"WHERE t.{key} = r.k AND t.{number} BETWEEN r.first AND r.last",
+        (f"{k}[]", f"{n}[]", f"{n}[]"),
     )
 
 

@@ -106,7 +106,7 @@ def execute(
     info = fairy.info
     literals = [literal(_escaping(info, raw), a) for a in args]
     begin = pgconn.transaction_status == _IDLE
-    inline = conn.engine in _inline_engines
+    inline = conn.engine in _inline_engines or statement.planned_each_run
     query, sent = _statement_parts(statement, literals, inline=inline)
     prepared: set[str] = info.setdefault("broker_prepared", set())
     new = not inline and statement.name not in prepared

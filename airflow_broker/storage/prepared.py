@@ -42,9 +42,23 @@ class Prepared:
         and long-lived, so after the first few transactions each has it and the call only
         looks (0.06 ms, against 0.18 for an anonymous ``DO`` block that would need no
         function: the block is compiled on every run).
+    :param planned_each_run: never prepared, always written whole with its values (as behind
+        a pooler), so that the server plans it for them: a statement whose best plan depends
+        on its values (how many rows a bound selects), for which a generic plan could be far
+        worse. It still saves the transaction's BEGIN round trip and SQLAlchemy's work.
     """
 
-    __slots__ = ("_oids", "after", "before", "ensure", "name", "prepare", "sql", "types")
+    __slots__ = (
+        "_oids",
+        "after",
+        "before",
+        "ensure",
+        "name",
+        "planned_each_run",
+        "prepare",
+        "sql",
+        "types",
+    )
 
     def __init__(
         self,
@@ -53,6 +67,7 @@ class Prepared:
         *,
         index_scans: bool = False,
         costly_plan: bool = False,
+        planned_each_run: bool = False,
     ) -> None:
         # The plan settings are part of the name: the server keeps one plan per name, made
         # under the settings of the query that planned it.
@@ -66,6 +81,9 @@ class Prepared:
         self.before: tuple[bytes, ...] = (_SEQSCAN_OFF,) if index_scans else ()
         self.after: tuple[bytes, ...] = (_SEQSCAN_DEFAULT,) if index_scans else ()
         self._oids: list[int] | None = None
+        #: never prepared: written whole with its values, planned for them (see
+        #: ``planned_each_run``)
+        self.planned_each_run = planned_each_run
         #: behind a pooler, sent before its EXECUTE (see ``costly_plan``)
         self.ensure: bytes | None = None
         if costly_plan:
@@ -126,7 +144,7 @@ DROP_PREPARE_FUNCTION = "DROP FUNCTION IF EXISTS broker_prepare(text, text, text
 # -- literals ------------------------------------------------------------------------------------
 def literal(escaping: Any, value: Any) -> bytes:
     """``value`` as a SQL literal of its type (None, bool, int, UUID, aware datetime, str,
-    bytes, or a list of UUIDs); ``escaping`` is the connection's ``psycopg.pq.Escaping``."""
+    bytes, or a list of those); ``escaping`` is the connection's ``psycopg.pq.Escaping``."""
     if value is None:
         return b"NULL"
     if isinstance(value, bool):
@@ -146,6 +164,11 @@ def literal(escaping: Any, value: Any) -> bytes:
         return b"'" + value.isoformat().encode() + b"'::timestamptz"
     if isinstance(value, list) and all(isinstance(v, uuid.UUID) for v in value):
         return b"'{" + ",".join(str(v) for v in value).encode() + b"}'::uuid[]"
+    if isinstance(value, list):
+        # Any other array as its text form, in a string literal: the statement's parameter
+        # type (a CAST when written whole) makes it an array of the elements' type.
+        escaped: bytes = escaping.escape_literal(array_text(value))
+        return escaped
     raise TypeError(f"no SQL literal for {type(value).__name__} {value!r}")
 
 
@@ -168,15 +191,37 @@ def parameter(value: Any) -> tuple[bytes | None, int]:
         if value.tzinfo is None:
             raise ValueError(f"a naive datetime cannot be sent as timestamptz: {value!r}")
         return value.isoformat().encode(), 0
-    if isinstance(value, list) and all(isinstance(v, uuid.UUID) for v in value):
-        return b"{" + ",".join(str(v) for v in value).encode() + b"}", 0
+    if isinstance(value, list):
+        return array_text(value), 0
     raise TypeError(f"no SQL parameter for {type(value).__name__} {value!r}")
+
+
+def array_text(values: Sequence[Any]) -> bytes:
+    """A one-dimensional array in PostgreSQL's text form (``{a,"b c",NULL}``): elements None,
+    bool, int, UUID, str or bytes (bytea as ``\\x`` hex), each quoted where it must be."""
+    parts: list[bytes] = []
+    for v in values:
+        if v is None:
+            parts.append(b"NULL")
+        elif isinstance(v, bool):
+            parts.append(b"t" if v else b"f")
+        elif isinstance(v, int | uuid.UUID):
+            parts.append(str(v).encode())
+        elif isinstance(v, bytes | bytearray | memoryview):
+            parts.append(b'"\\\\x' + bytes(v).hex().encode() + b'"')
+        elif isinstance(v, str):
+            quoted = v.replace("\\", "\\\\").replace('"', '\\"')
+            parts.append(b'"' + quoted.encode() + b'"')
+        else:
+            raise TypeError(f"no SQL array element for {type(v).__name__} {v!r}")
+    return b"{" + b",".join(parts) + b"}"
 
 
 __all__ = [
     "DROP_PREPARE_FUNCTION",
     "PREPARE_FUNCTION",
     "Prepared",
+    "array_text",
     "literal",
     "parameter",
 ]

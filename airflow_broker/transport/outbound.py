@@ -15,7 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, select, tuple_, update
+from sqlalchemy import Select, delete, select, tuple_, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
@@ -23,6 +23,7 @@ from airflow_broker import metrics, routing
 from airflow_broker.messaging.delivery import RETRY_BASE
 from airflow_broker.messaging.duework import DueWork
 from airflow_broker.storage import bulk
+from airflow_broker.storage import direct as storage_direct
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 from airflow_broker.storage.context import BrokerContext
@@ -59,6 +60,8 @@ from airflow_broker.transport.packets import (
 from airflow_broker.transport.pipeline import Batch
 from airflow_broker.transport.plan import message_packets, plan_batch
 from airflow_broker.transport.resolve import resolve
+from airflow_broker.transport.survey import survey
+from airflow_broker.transport.take import take_rows
 from airflow_broker.transport.taker import apply_answers
 
 log = logging.getLogger("airflow_broker")
@@ -135,31 +138,31 @@ class Transport:
         # A restored or cloned copy delivers nothing between databases until an operator
         # decides (storage.identity): remote messages wait with the reason, local ones go on.
         self.refused = copy_refusal(self.b)
+        work = survey(self.b, self.started, retry_now)  # which side steps have work
+        accepted = 0
         if self.refused is not None:
             log.info("%s", self.refused)  # as for an unreachable broker: the rows say it too
         else:
-            inbox.accept_inbox(self, counts)  # what peers that may only deliver pushed here
+            if work.inbox:
+                accepted = inbox.accept_inbox(self, counts)  # pushed by peers that only deliver
             self._collect_answers(counts)
-        if not retry_now:
+        if not retry_now and work.causes:
             # One dialog of each cause of waiting that falls due, tried for all (.causes).
             causes.probe_due(self.b, utcnow())
         if self.b.dialect == "postgresql" and self.IN_FLIGHT > 1:
             pipeline.deliver_batches(self, budget, retry_now, counts)
         else:
             while budget is None or budget > 0:
-                n = self._transmission_batch(
-                    self.BATCH if budget is None else min(self.BATCH, budget),
-                    retry_now,
-                    counts,
-                    after,
-                )
-                if n == 0:
+                limit = self.BATCH if budget is None else min(self.BATCH, budget)
+                n = self._transmission_batch(limit, retry_now, counts, after)
+                if n < limit:  # every due message was in it
                     break
                 if budget is not None:
                     budget -= n
-        if self.refused is None:
+        if self.refused is None and (work.transit or accepted or counts["forwarded"]):
             self._transit_pass(retry_now, counts)
-        route_requests.answer_requests(self.b)
+        if work.route_answers:
+            route_requests.answer_requests(self.b)
         unreachable = counts.pop(_UNREACHABLE, 0)
         report = DeliveryReport(**counts, hung=dict(self.hung))
         for address, why in self.hung.items():
@@ -237,46 +240,27 @@ class Transport:
         conversation may still go on after them, the next batch starts after it (the batch is
         not open-ended: no later batch of the pass shares a conversation with it)."""
         b = self.b
-        t, e, k = s.transmission_queue, s.conversation_endpoint, s.dialog_key
+        t = s.transmission_queue
         now = utcnow()
-        stmt = (
-            select(
-                # first, in this order: batch_rows reads them by position
-                *(t.c[c] for c in BATCH_COLUMNS),
-                e.c.far_broker_instance.label("bound_instance"),
-                e.c.encryption,
-                e.c.send_sequence,
-                # dialog security, for the plan (dialogs.for_sending_many): whether the dialog
-                # has a key, and whether its far service has a remote service binding here
-                k.c.conversation_handle.is_not(None).label("keyed"),
-                t.c.to_service_name.in_(select(s.remote_service_binding.c.service)).label(
-                    "bound_service"
-                ),
-                t.c.wait_id,  # the cause it waited for (.causes), or None
-            )
-            .join(e, e.c.conversation_handle == t.c.conversation_handle)
-            .outerjoin(k, k.c.conversation_handle == t.c.conversation_handle)
-            .order_by(t.c.conversation_handle, t.c.message_sequence_number)
-        )
-        if not retry_now:
-            stmt = stmt.where(t.c.next_attempt_at <= now)
-        if b.dialect == "postgresql":
-            stmt = stmt.with_for_update(of=t, skip_locked=True)
-        # Keyset: each batch starts where the last one ended (rows it could not deliver stay):
-        # after its last row, or after its last conversation when that one is closed for this
-        # pass (then no later batch shares it, whatever is sent on it meanwhile).
-        first = stmt.limit(limit)
-        if after:
-            handle, seq, closed = after
-            first = first.where(
-                t.c.conversation_handle > handle
-                if closed
-                else tuple_(t.c.conversation_handle, t.c.message_sequence_number)
-                > tuple_(handle, seq)
-            )
         conn = b.engine.connect()
         try:
-            rows = list(conn.execute(first).all())
+            if b.dialect == "postgresql":
+                rows: list[Any] = take_rows(conn, now, limit, retry_now, after)
+            else:
+                # Keyset: each batch starts where the last one ended (rows it could not
+                # deliver stay): after its last row, or after its last conversation when that
+                # one is closed for this pass (then no later batch shares it, whatever is sent
+                # on it meanwhile).
+                first = _due(b.dialect, now, retry_now).limit(limit)
+                if after:
+                    handle, seq, closed = after
+                    first = first.where(
+                        t.c.conversation_handle > handle
+                        if closed
+                        else tuple_(t.c.conversation_handle, t.c.message_sequence_number)
+                        > tuple_(handle, seq)
+                    )
+                rows = list(conn.execute(first).all())
             if not rows:
                 conn.rollback()
                 conn.close()
@@ -289,10 +273,12 @@ class Transport:
             )
             if open_ended and room > 0 and last.conversation_handle != rows[0].conversation_handle:
                 rest = conn.execute(
-                    stmt.where(
+                    _due(b.dialect, now, retry_now)
+                    .where(
                         t.c.conversation_handle == last.conversation_handle,
                         t.c.message_sequence_number > last.message_sequence_number,
-                    ).limit(room)
+                    )
+                    .limit(room)
                 ).all()
                 rows += rest
                 open_ended = len(rest) == room
@@ -315,7 +301,10 @@ class Transport:
         """What the far brokers answered, applied in the batch's source transaction, and its
         commit."""
         self._record(batch.conn, batch.plan, results, batch.me, batch.now, counts)
-        batch.conn.commit()
+        if self.b.dialect == "postgresql":
+            storage_direct.commit(batch.conn)
+        else:
+            batch.conn.commit()
         route_requests.request_routes(self.b, batch.plan["missing"])
 
     def _send(self, plan: dict[str, Any]) -> list[tuple[list[Packet], Outcome | None, str]]:
@@ -474,15 +463,20 @@ class Transport:
             peer = resolve(self.b, address)
             if peer.dialect != "postgresql" or inbox.inbox_mode(peer):
                 return conversations
-            with deadlines.answer_within(peer, address):
-                taken, left = direct.accept(peer, plan["me"], conversations)
         except (DBAPIError, Unreachable) as exc:
             log.info("%s: delivering as packets: %s", address, _first_line(exc))
             return conversations
-        if taken.upto:
-            plan["taken"].append(taken)
-            self.after_push(address, taken.inserted)
-        return left
+        taken: list[direct.Taken] = []  # what the far broker committed, even if a part failed
+        try:
+            with deadlines.answer_within(peer, address):
+                direct.accept(peer, plan["me"], conversations, taken)
+        except (DBAPIError, Unreachable) as exc:
+            log.info("%s: delivering as packets: %s", address, _first_line(exc))
+        plan["taken"] += taken
+        for t in taken:
+            self.after_push(address, t.inserted)
+        done = {h for t in taken for h in t.upto}
+        return [c for c in conversations if c.handle not in done]
 
     def _record(
         self,
@@ -576,3 +570,35 @@ class Transport:
         if outcome.answers:
             # Answers for the senders of what was just forwarded: relay them on the way back.
             self._relay(outcome.answers, counts)
+
+
+def _due(dialect: str, now: datetime, retry_now: bool) -> Select[Any]:
+    """The due rows of the transmission queue (all of them with ``retry_now``) in handle and
+    sequence order, with what a batch's plan needs of their endpoints: the statement of
+    :meth:`Transport._take` on SQLite, and of a full batch's rest (:mod:`.take` is the first
+    statement's form on PostgreSQL)."""
+    t, e, k = s.transmission_queue, s.conversation_endpoint, s.dialog_key
+    stmt = (
+        select(
+            # first, in this order: batch_rows reads them by position
+            *(t.c[c] for c in BATCH_COLUMNS),
+            e.c.far_broker_instance.label("bound_instance"),
+            e.c.encryption,
+            e.c.send_sequence,
+            # dialog security, for the plan (dialogs.for_sending_many): whether the dialog has
+            # a key, and whether its far service has a remote service binding here
+            k.c.conversation_handle.is_not(None).label("keyed"),
+            t.c.to_service_name.in_(select(s.remote_service_binding.c.service)).label(
+                "bound_service"
+            ),
+            t.c.wait_id,  # the cause it waited for (.causes), or None
+        )
+        .join(e, e.c.conversation_handle == t.c.conversation_handle)
+        .outerjoin(k, k.c.conversation_handle == t.c.conversation_handle)
+        .order_by(t.c.conversation_handle, t.c.message_sequence_number)
+    )
+    if not retry_now:
+        stmt = stmt.where(t.c.next_attempt_at <= now)
+    if dialect == "postgresql":
+        stmt = stmt.with_for_update(of=t, skip_locked=True)
+    return stmt

@@ -65,22 +65,29 @@ def deliver_batches(
     first failure of any stage is raised once the batches already taken have finished."""
     size = transport.BATCH
     after: list[Any] = []
+    limit = size if budget is None else min(size, budget)
+    room = size if budget is None else budget - limit
+    first = transport._take(limit, retry_now, after, room=room)
+    if first is None:
+        return
+    if len(first.rows) < limit:
+        # Every due message fits in one batch (the pass's common case): no stage to overlap
+        # with, so no threads; a message sent meanwhile waits for the next pass.
+        try:
+            transport._finish(first, transport._send(first.plan), counts)
+        finally:
+            first.conn.close()
+        return
+    if budget is not None:
+        budget -= len(first.rows)
     flight: deque[Future[None]] = deque()
     with (
         ThreadPoolExecutor(1, thread_name_prefix="airflow-broker-push") as pushing,
         ThreadPoolExecutor(1, thread_name_prefix="airflow-broker-record") as recording,
     ):
         try:
-            while budget is None or budget > 0:
-                while flight and (len(flight) >= transport.IN_FLIGHT or flight[0].done()):
-                    flight.popleft().result()  # a batch's failure stops the pass
-                limit = size if budget is None else min(size, budget)
-                room = size if budget is None else budget - limit
-                batch = transport._take(limit, retry_now, after, room=room)
-                if batch is None:
-                    break
-                if budget is not None:
-                    budget -= len(batch.rows)
+            batch: Batch | None = first
+            while batch is not None:
                 try:
                     sent = pushing.submit(transport._send, batch.plan)
                 except BaseException:
@@ -90,6 +97,15 @@ def deliver_batches(
                 if batch.open_ended:
                     while flight:
                         flight.popleft().result()
+                if budget is not None and budget <= 0:
+                    break
+                while flight and (len(flight) >= transport.IN_FLIGHT or flight[0].done()):
+                    flight.popleft().result()  # a batch's failure stops the pass
+                limit = size if budget is None else min(size, budget)
+                room = size if budget is None else budget - limit
+                batch = transport._take(limit, retry_now, after, room=room)
+                if batch is not None and budget is not None:
+                    budget -= len(batch.rows)
             while flight:
                 flight.popleft().result()
         except BaseException:
