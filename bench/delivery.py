@@ -58,7 +58,11 @@ healthy broker C while broker B, reached through a proxy that stops answering, h
 the same with B healthy (``--hung-rounds`` of each, ``--hung-dialogs`` dialogs to C):
 ``target delivery_with_hung_peer_vs_healthy: RATIO (goal >= 0.8)``.
 
-Request and reply (``bench/_request_reply.py``), last: ``--exchanges`` exchanges a round (a
+Known dialogs (``bench/_known_dialogs.py``), last: ``--known-dialogs`` dialogs B knows, 5
+messages each a round, delivered with the far broker's one-statement accept against its general
+accept: ``target known_dialogs_one_statement_vs_general: RATIO (goal >= 1.0)``.
+
+Request and reply (``bench/_request_reply.py``), before it: ``--exchanges`` exchanges a round (a
 request SENT, delivered, RECEIVEd and answered, the answer delivered and RECEIVEd, one message
 per transaction) between two broker databases, against the same exchange inside one database:
 ``target request_reply_two_brokers_vs_one: RATIO (goal >= 0.5)``.
@@ -89,7 +93,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from bench import _delivery_floor as floor
-from bench import _hung_peer, _request_reply
+from bench import _hung_peer, _known_dialogs, _request_reply
 from bench._scratch import Database, ScratchServer, quiesce
 from bench._statement_times import StatementTimes
 
@@ -543,6 +547,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=300,
         help="request-reply exchanges per round, two brokers against one (0: none)",
     )
+    p.add_argument(
+        "--known-dialogs",
+        type=int,
+        default=200,
+        help="known dialogs of the one-statement-accept rounds (0: none)",
+    )
     p.add_argument("--hung-rounds", type=int, default=2, help="hung-peer rounds (0: none)")
     p.add_argument("--hung-dialogs", type=int, default=2000, help="hung-peer dialogs to C")
     p.add_argument(
@@ -605,6 +615,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.exchanges:
             hung += _request_reply.measure(server, args.exchanges, args.rounds)
+        if args.known_dialogs:
+            hung += _known_dialogs.measure(server, args.known_dialogs, 5, args.rounds)
     finally:
         server.drop_all()
     print(format_table(results, batch))

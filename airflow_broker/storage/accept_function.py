@@ -31,10 +31,12 @@ from airflow_broker.constants import (
     STATUS_READY,
     SYSTEM_MESSAGE_TYPES,
 )
-from airflow_broker.messaging.validation import VALIDATION_CODES
 from airflow_broker.storage.prepared import Prepared
 
 _SYSTEM_TYPES = ", ".join(f"'{t}'" for t in sorted(SYSTEM_MESSAGE_TYPES))
+#: The validation code of a body nothing validated (messaging.validation's VALIDATION_CODES
+#: "none", stored in every queue row: it never changes).
+_NO_VALIDATION = "N"
 
 ACCEPT_PLAIN_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION broker_accept_plain(
@@ -93,7 +95,7 @@ BEGIN
             message_type_name, validation, message_body, enqueued_at)
         SELECT c.queue_id, c.conversation_group_id, c.conversation_handle, m.seq,
                {STATUS_READY}, c.priority, {PRECEDENCE_NORMAL}, c.service_name, c.contract,
-               m.message_type, '{VALIDATION_CODES["none"]}', m.body, p_now
+               m.message_type, '{_NO_VALIDATION}', m.body, p_now
         FROM c JOIN m ON m.i = c.i
         WHERE m.seq >= c.recv
         RETURNING conversation_handle, message_sequence_number

@@ -258,15 +258,17 @@ def delete_ranges(
     its first and last (inclusive), for ``(key, first, last)`` ranges. One round trip, BEGIN
     included when it is the transaction's first statement (:mod:`.direct`)."""
     if ranges:
-        direct.execute(
-            conn,
-            _delete_runs_statement(table, key, number),
-            [[r[0] for r in ranges], [r[1] for r in ranges], [r[2] for r in ranges]],
-        )
+        direct.execute(conn, delete_ranges_statement(table, key, number), ranges_args(ranges))
+
+
+def ranges_args(ranges: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    """:func:`delete_ranges_statement`'s arguments for ``(key, first, last)`` ranges."""
+    return [[r[0] for r in ranges], [r[1] for r in ranges], [r[2] for r in ranges]]
 
 
 @cache
-def _delete_runs_statement(table: Table, key: str, number: str) -> direct.Prepared:
+def delete_ranges_statement(table: Table, key: str, number: str) -> direct.Prepared:
+    """PostgreSQL: :func:`delete_ranges`'s statement (arguments: :func:`ranges_args`)."""
     k, n = _pg_type(table.c[key].type), _pg_type(table.c[number].type)
     return direct.Prepared(
         f"DELETE FROM {table.name} AS t USING unnest($1, $2, $3) AS r(k, first, last) "

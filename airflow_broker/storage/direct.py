@@ -278,6 +278,14 @@ def _rows(info: dict[str, Any], raw: Any, result: PGresult) -> list[tuple[Any, .
     return rows
 
 
+def written(conn: Connection, statement: Prepared, args: Sequence[Any]) -> bytes:
+    """``statement`` with ``args`` written in as literals, never prepared: SQL to send in
+    another statement's query (:func:`commit`'s ``before``)."""
+    fairy = conn.connection
+    escaping = _escaping(fairy.info, fairy.driver_connection)
+    return statement.inline([literal(escaping, a) for a in args])
+
+
 def commit(conn: Connection, *, before: bytes | None = None) -> None:
     """Commit ``conn``'s transaction with a COMMIT sent through libpq (psycopg's own commit costs
     about as much client CPU as the round trip itself), then SQLAlchemy's commit, which finds
@@ -512,4 +520,5 @@ __all__ = [
     "observer",
     "stop_preparing",
     "wait_ready",
+    "written",
 ]

@@ -428,15 +428,23 @@ _BIND = text(
 )
 
 
+#: The transmission queue's rows by conversation and sequence number (bulk.delete_ranges).
+TRANSMITTED = (s.transmission_queue, "conversation_handle", "message_sequence_number")
+
+
 def record(
     conn: Connection,
     rows: dict[uuid.UUID, list[Any]],
     taken: Sequence[Taken],
     counts: dict[str, int],
+    *,
+    deferred: list[tuple[uuid.UUID, int, int]] | None = None,
 ) -> None:
     """The sender, in its batch's transaction: what far brokers took without packets out of
     its transmission queue (``rows``: the batch's rows by handle), the conversations bound to
-    the broker that took them if to none yet, and the pass's counts."""
+    the broker that took them if to none yet, and the pass's counts. With ``deferred``, the
+    rows' ranges are added to it instead, for the caller to delete (with its COMMIT: the rows
+    are this transaction's, locked since the batch took them)."""
     for t in taken:
         ranges: list[tuple[uuid.UUID, int, int]] = []
         unbound: list[uuid.UUID] = []
@@ -450,8 +458,9 @@ def record(
             counts["acknowledged"] += len(msgs)
             if msgs[0].bound_instance is None:
                 unbound.append(handle)
-        bulk.delete_ranges(
-            conn, s.transmission_queue, "conversation_handle", "message_sequence_number", ranges
-        )
+        if deferred is not None:
+            deferred += ranges
+        else:
+            bulk.delete_ranges(conn, *TRANSMITTED, ranges)
         if unbound:
             conn.execute(_BIND, {"handles": sorted(unbound), "instance": t.instance_id})

@@ -15,7 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, delete, select, tuple_, update
+from sqlalchemy import delete, select, tuple_, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
@@ -38,7 +38,6 @@ from airflow_broker.transport import (
     route_requests,
 )
 from airflow_broker.transport.arrival import fail_endpoint
-from airflow_broker.transport.batch_rows import BATCH_COLUMNS
 from airflow_broker.transport.direct import Conversation
 from airflow_broker.transport.forwarding import (
     _key,
@@ -61,7 +60,7 @@ from airflow_broker.transport.pipeline import Batch
 from airflow_broker.transport.plan import message_packets, plan_batch
 from airflow_broker.transport.resolve import resolve
 from airflow_broker.transport.survey import survey
-from airflow_broker.transport.take import take_rows
+from airflow_broker.transport.take import due_select, take_rows
 from airflow_broker.transport.taker import apply_answers
 
 log = logging.getLogger("airflow_broker")
@@ -131,14 +130,12 @@ class Transport:
         self, max_messages: int | None = None, *, retry_now: bool = False
     ) -> DeliveryReport:
         counts: dict[str, int] = defaultdict(int)
-        budget = max_messages
-        after: list[Any] = []
         self.hung = {}
         self.started = utcnow()  # a cause of waiting is one attempt more once per pass
         # A restored or cloned copy delivers nothing between databases until an operator
         # decides (storage.identity): remote messages wait with the reason, local ones go on.
         self.refused = copy_refusal(self.b)
-        work = survey(self.b, self.started, retry_now)  # which side steps have work
+        work = survey(self.b, self.started, retry_now)  # which steps have work
         accepted = 0
         if self.refused is not None:
             log.info("%s", self.refused)  # as for an unreachable broker: the rows say it too
@@ -149,16 +146,8 @@ class Transport:
         if not retry_now and work.causes:
             # One dialog of each cause of waiting that falls due, tried for all (.causes).
             causes.probe_due(self.b, utcnow())
-        if self.b.dialect == "postgresql" and self.IN_FLIGHT > 1:
-            pipeline.deliver_batches(self, budget, retry_now, counts)
-        else:
-            while budget is None or budget > 0:
-                limit = self.BATCH if budget is None else min(self.BATCH, budget)
-                n = self._transmission_batch(limit, retry_now, counts, after)
-                if n < limit:  # every due message was in it
-                    break
-                if budget is not None:
-                    budget -= n
+        if work.due or work.causes:  # (a cause's probe makes rows due)
+            self._batches(max_messages, retry_now, counts)
         if self.refused is None and (work.transit or accepted or counts["forwarded"]):
             self._transit_pass(retry_now, counts)
         if work.route_answers:
@@ -170,6 +159,20 @@ class Transport:
         metrics.incr(metrics.TRANSPORT_FAILED, unreachable)
         metrics.incr(metrics.DELIVERY_FAILED, report.failed)
         return report
+
+    def _batches(self, budget: int | None, retry_now: bool, counts: dict[str, int]) -> None:
+        """The due messages of the transmission queue (at most ``budget``), batch by batch."""
+        if self.b.dialect == "postgresql" and self.IN_FLIGHT > 1:
+            pipeline.deliver_batches(self, budget, retry_now, counts)
+            return
+        after: list[Any] = []
+        while budget is None or budget > 0:
+            limit = self.BATCH if budget is None else min(self.BATCH, budget)
+            n = self._transmission_batch(limit, retry_now, counts, after)
+            if n < limit:  # every due message was in it
+                break
+            if budget is not None:
+                budget -= n
 
     def _collect_answers(self, counts: dict[str, int]) -> None:
         """Answers far brokers wrote in their inboxes' answer tables for this broker's batches."""
@@ -251,7 +254,7 @@ class Transport:
                 # deliver stay): after its last row, or after its last conversation when that
                 # one is closed for this pass (then no later batch shares it, whatever is sent
                 # on it meanwhile).
-                first = _due(b.dialect, now, retry_now).limit(limit)
+                first = due_select(b.dialect, now, retry_now).limit(limit)
                 if after:
                     handle, seq, closed = after
                     first = first.where(
@@ -273,7 +276,7 @@ class Transport:
             )
             if open_ended and room > 0 and last.conversation_handle != rows[0].conversation_handle:
                 rest = conn.execute(
-                    _due(b.dialect, now, retry_now)
+                    due_select(b.dialect, now, retry_now)
                     .where(
                         t.c.conversation_handle == last.conversation_handle,
                         t.c.message_sequence_number > last.message_sequence_number,
@@ -300,8 +303,14 @@ class Transport:
     ) -> None:
         """What the far brokers answered, applied in the batch's source transaction, and its
         commit."""
-        self._record(batch.conn, batch.plan, results, batch.me, batch.now, counts)
-        if self.b.dialect == "postgresql":
+        acknowledged = self._record(batch.conn, batch.plan, results, batch.me, batch.now, counts)
+        if acknowledged:  # (PostgreSQL) their DELETE in the COMMIT's round trip
+            statement = bulk.delete_ranges_statement(*direct.TRANSMITTED)
+            args = bulk.ranges_args(acknowledged)
+            storage_direct.commit(
+                batch.conn, before=storage_direct.written(batch.conn, statement, args)
+            )
+        elif self.b.dialect == "postgresql":
             storage_direct.commit(batch.conn)
         else:
             batch.conn.commit()
@@ -486,8 +495,9 @@ class Transport:
         me: str,
         now: datetime,
         counts: dict[str, int],
-    ) -> None:
-
+    ) -> list[tuple[uuid.UUID, int, int]]:
+        """What the far brokers answered, written in the batch's transaction; returns the
+        ranges of rows taken without packets, for the caller to delete with its COMMIT."""
         t = s.transmission_queue
         # Bodies sealed by this pass stay sealed in the transmission queue.
         bulk.update_rows(conn, t, "id", plan["seal_now"])
@@ -502,7 +512,8 @@ class Transport:
         for handle, reason in plan["delayed"].items():
             key = plan["causes"].get(handle)
             waiting += [(r, reason, key) for r in plan["rows"][handle]]
-        direct.record(conn, plan["rows"], plan["taken"], counts)
+        acknowledged: list[tuple[uuid.UUID, int, int]] = []
+        direct.record(conn, plan["rows"], plan["taken"], counts, deferred=acknowledged)
         answers, late, went_waiting, inboxed = outcomes(results, plan, counts)
         waiting += [(r, why, causes.of_push(plan, r, kind, why)) for r, why, kind in went_waiting]
         waiting += [(r, why, causes.of_address(plan, r)) for r, why in plan["waiting"]]
@@ -512,6 +523,7 @@ class Transport:
         counts["delayed"] += len(waiting)
         if waiting:
             self.b.note_due(now + RETRY_BASE)
+        return acknowledged
 
     def _stop(
         self,
@@ -570,35 +582,3 @@ class Transport:
         if outcome.answers:
             # Answers for the senders of what was just forwarded: relay them on the way back.
             self._relay(outcome.answers, counts)
-
-
-def _due(dialect: str, now: datetime, retry_now: bool) -> Select[Any]:
-    """The due rows of the transmission queue (all of them with ``retry_now``) in handle and
-    sequence order, with what a batch's plan needs of their endpoints: the statement of
-    :meth:`Transport._take` on SQLite, and of a full batch's rest (:mod:`.take` is the first
-    statement's form on PostgreSQL)."""
-    t, e, k = s.transmission_queue, s.conversation_endpoint, s.dialog_key
-    stmt = (
-        select(
-            # first, in this order: batch_rows reads them by position
-            *(t.c[c] for c in BATCH_COLUMNS),
-            e.c.far_broker_instance.label("bound_instance"),
-            e.c.encryption,
-            e.c.send_sequence,
-            # dialog security, for the plan (dialogs.for_sending_many): whether the dialog has
-            # a key, and whether its far service has a remote service binding here
-            k.c.conversation_handle.is_not(None).label("keyed"),
-            t.c.to_service_name.in_(select(s.remote_service_binding.c.service)).label(
-                "bound_service"
-            ),
-            t.c.wait_id,  # the cause it waited for (.causes), or None
-        )
-        .join(e, e.c.conversation_handle == t.c.conversation_handle)
-        .outerjoin(k, k.c.conversation_handle == t.c.conversation_handle)
-        .order_by(t.c.conversation_handle, t.c.message_sequence_number)
-    )
-    if not retry_now:
-        stmt = stmt.where(t.c.next_attempt_at <= now)
-    if dialect == "postgresql":
-        stmt = stmt.with_for_update(of=t, skip_locked=True)
-    return stmt

@@ -37,7 +37,6 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from sqlalchemy import event, make_url
-from sqlalchemy import exc as exc_module
 
 from airflow_broker import routing
 from airflow_broker.storage.context import BrokerContext
@@ -53,10 +52,6 @@ log = logging.getLogger("airflow_broker")
 PEER_IDLE_SECONDS: float = _env_number("AIRFLOW_BROKER_PEER_IDLE_SECONDS", 300.0, float)
 #: At most this many peers are cached; one more closes and forgets the least recently used.
 MAX_PEERS: int = _env_number("AIRFLOW_BROKER_MAX_PEERS", 32, int)
-#: A peer's connection idle in its pool for this long is checked (a round trip) before it is
-#: used: a far server restarted meanwhile costs no failed delivery. One given back a moment ago
-#: is used as it is (a broken one fails its statement and is replaced).
-PING_AFTER_IDLE_SECONDS: float = 1.0
 
 
 @dataclass(eq=False)
@@ -151,7 +146,7 @@ def resolve(broker: BrokerContext, address: str) -> BrokerContext:
             # URL; libpq gets the connect timeout, keepalives and tcp_user_timeout (the URL's
             # own values win: connect_args would override them).
             plain, limits = deadlines.split_limits(url)
-            kwargs: dict[str, Any] = {}
+            kwargs: dict[str, Any] = {"pool_pre_ping": True}
             if make_url(plain).get_backend_name() == "postgresql":
                 kwargs["connect_args"] = deadlines.connect_args(plain, limits)
             peer = _Peer(url, type(broker).connect(plain, resolver=resolver, **kwargs), 0.0)
@@ -191,15 +186,11 @@ def _watch(peer: _Peer) -> None:
             _touch(peer)
             _start_closer()
 
-    def taken(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+    def taken(_dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
         with _peers_lock:
             _touch(peer)
-        back = record.info.get("broker_given_back")
-        if back is not None and time.monotonic() - back >= PING_AFTER_IDLE_SECONDS:
-            _ping(engine, dbapi_conn)
 
     def given_back(dbapi_conn: Any, record: Any) -> None:
-        record.info["broker_given_back"] = time.monotonic()
         with _peers_lock:
             _touch(peer)
             stale = record.info.get("broker_peer_generation", peer.generation) != peer.generation
@@ -209,17 +200,6 @@ def _watch(peer: _Peer) -> None:
     event.listen(engine, "connect", made)
     event.listen(engine, "checkout", taken)
     event.listen(engine, "checkin", given_back)
-
-
-def _ping(engine: Any, dbapi_conn: Any) -> None:
-    """Check that a connection idle in the pool still works: a broken one is replaced (the pool
-    takes another, or opens one)."""
-    try:
-        alive = engine.dialect.do_ping(dbapi_conn)
-    except engine.dialect.loaded_dbapi.Error as exc:
-        raise exc_module.DisconnectionError(f"an idle connection broke: {exc}") from exc
-    if not alive:
-        raise exc_module.DisconnectionError("an idle connection broke")
 
 
 def _retire(peer: _Peer) -> _Peer:

@@ -1,12 +1,12 @@
-"""A delivery pass's first look, on PostgreSQL: which of its side steps have work, in one round
-trip.
+"""A delivery pass's first look, on PostgreSQL: which of its steps have work, in one round trip.
 
-Besides the transmission queue, a pass looks at four things that are nearly always empty: the
-inbox (batches pushed by peers that may only deliver), the causes of waiting that fall due, a
+Besides its due messages, a pass looks at four things that are nearly always empty: the inbox
+(batches pushed by peers that may only deliver), the causes of waiting that fall due, a
 forwarder's held packets, and the answers of the dynamic routing service. Each look was a
 transaction of its own (a connection from the pool, BEGIN, the SELECT, ROLLBACK), together
-about a fifth of a pass that delivers one message. :func:`survey` asks all four in one
-statement that runs outside any transaction, and the pass skips the steps with nothing to do.
+about a fifth of a pass that delivers one message. :func:`survey` asks all five in one
+statement that runs outside any transaction, and the pass skips the steps with nothing to do:
+a pass with nothing to do is that one round trip.
 
 What arrives after the look waits for the next pass, as it would have if it had arrived just
 after the step's own look: an inbox batch, a cause falling due, a held packet or an answer each
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from functools import lru_cache
 
 from sqlalchemy.exc import DBAPIError
 
@@ -24,21 +25,30 @@ from airflow_broker.routing.dynamic import REQUESTER_QUEUE
 from airflow_broker.storage import direct
 from airflow_broker.storage.context import BrokerContext
 
-_SURVEY = direct.Prepared(
-    "SELECT EXISTS (SELECT 1 FROM broker_inbox), "
-    "EXISTS (SELECT 1 FROM broker_transmission_wait w WHERE w.next_attempt_at <= $1 "
-    "AND EXISTS (SELECT 1 FROM broker_transmission_queue t WHERE t.wait_id = w.id)), "
-    "EXISTS (SELECT 1 FROM broker_transit WHERE $2 OR next_attempt_at <= $1), "
-    "EXISTS (SELECT 1 FROM broker_message m JOIN broker_queue q ON q.queue_id = m.queue_id "
-    "WHERE q.name = $3)",
-    ("timestamptz", "boolean", "varchar"),
-)
+
+@lru_cache(maxsize=2)
+def _statement(retry_now: bool) -> direct.Prepared:
+    """The survey; with ``retry_now``, every row and held packet counts as due (two forms, so
+    that each is planned with the index on ``next_attempt_at`` where it has a bound)."""
+    due = "true" if retry_now else "next_attempt_at <= $1"
+    return direct.Prepared(
+        f"SELECT EXISTS (SELECT 1 FROM broker_transmission_queue WHERE {due}), "
+        "EXISTS (SELECT 1 FROM broker_inbox), "
+        "EXISTS (SELECT 1 FROM broker_transmission_wait w WHERE w.next_attempt_at <= $1 "
+        "AND EXISTS (SELECT 1 FROM broker_transmission_queue t WHERE t.wait_id = w.id)), "
+        f"EXISTS (SELECT 1 FROM broker_transit WHERE {due}), "
+        "EXISTS (SELECT 1 FROM broker_message m JOIN broker_queue q ON q.queue_id = m.queue_id "
+        "WHERE q.name = $2)",
+        ("timestamptz", "varchar"),
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class Survey:
-    """Which side steps of a pass have work."""
+    """Which steps of a pass have work."""
 
+    #: messages in the transmission queue are due (all of them, when the pass retries now)
+    due: bool = True
     #: batches wait in the inbox
     inbox: bool = True
     #: a cause of waiting falls due (and rows still wait for it)
@@ -60,7 +70,8 @@ def survey(b: BrokerContext, now: datetime, retry_now: bool) -> Survey:
         return EVERYTHING
     fairy = b.engine.raw_connection()
     try:
-        row = direct.execute_committed(fairy, b.engine, _SURVEY, [now, retry_now, REQUESTER_QUEUE])
+        statement = _statement(retry_now)
+        row = direct.execute_committed(fairy, b.engine, statement, [now, REQUESTER_QUEUE])
     except DBAPIError as exc:
         if getattr(exc.orig, "sqlstate", None) == _INSUFFICIENT_PRIVILEGE:
             return EVERYTHING  # a client role, before its first connection said so

@@ -17,9 +17,11 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
+from sqlalchemy import Select, select
 from sqlalchemy.engine import Connection
 
 from airflow_broker.storage import direct
+from airflow_broker.storage import schema as s
 from airflow_broker.transport.batch_rows import BATCH_COLUMNS
 
 #: A batch row's columns: the transmission queue's (:data:`BATCH_COLUMNS`, in that order), the
@@ -92,4 +94,36 @@ def _uuid(value: Any) -> uuid.UUID:
     return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
 
 
-__all__ = ["TAKE_COLUMNS", "TakenRow", "take_rows"]
+def due_select(dialect: str, now: datetime, retry_now: bool) -> Select[Any]:
+    """The due rows of the transmission queue (all of them with ``retry_now``) in handle and
+    sequence order, with what a batch's plan needs of their endpoints: the statement of
+    :meth:`.Transport._take` on SQLite, and of a full batch's rest on PostgreSQL (where
+    :func:`take_rows` is its first statement)."""
+    t, e, k = s.transmission_queue, s.conversation_endpoint, s.dialog_key
+    stmt = (
+        select(
+            # first, in this order: batch_rows reads them by position
+            *(t.c[c] for c in BATCH_COLUMNS),
+            e.c.far_broker_instance.label("bound_instance"),
+            e.c.encryption,
+            e.c.send_sequence,
+            # dialog security, for the plan (dialogs.for_sending_many): whether the dialog has
+            # a key, and whether its far service has a remote service binding here
+            k.c.conversation_handle.is_not(None).label("keyed"),
+            t.c.to_service_name.in_(select(s.remote_service_binding.c.service)).label(
+                "bound_service"
+            ),
+            t.c.wait_id,  # the cause it waited for (.causes), or None
+        )
+        .join(e, e.c.conversation_handle == t.c.conversation_handle)
+        .outerjoin(k, k.c.conversation_handle == t.c.conversation_handle)
+        .order_by(t.c.conversation_handle, t.c.message_sequence_number)
+    )
+    if not retry_now:
+        stmt = stmt.where(t.c.next_attempt_at <= now)
+    if dialect == "postgresql":
+        stmt = stmt.with_for_update(of=t, skip_locked=True)
+    return stmt
+
+
+__all__ = ["TAKE_COLUMNS", "TakenRow", "due_select", "take_rows"]
