@@ -66,6 +66,13 @@ from airflow_broker.transport.taker import apply_answers
 log = logging.getLogger("airflow_broker")
 
 
+#: What a batch's plan may hold that its transaction must commit durably (a session key, a
+#: local message, an Error, a reason to wait...): without any, the commit does not wait for
+#: the WAL flush.
+_DURABLE = ("local", "delayed", "waiting", "stopped", "seal_now", "sealings", "missing")
+_NO_FLUSH = b"SET LOCAL synchronous_commit = off;"
+
+
 class Transport:
     """Moves this broker's transmission queue (and, forwarding, its messages in transit)."""
 
@@ -303,13 +310,16 @@ class Transport:
     ) -> None:
         """What the far brokers answered, applied in the batch's source transaction, and its
         commit."""
-        acknowledged = self._record(batch.conn, batch.plan, results, batch.me, batch.now, counts)
+        plan = batch.plan
+        acknowledged = self._record(batch.conn, plan, results, batch.me, batch.now, counts)
         if acknowledged:  # (PostgreSQL) their DELETE in the COMMIT's round trip
             statement = bulk.delete_ranges_statement(*direct.TRANSMITTED)
-            args = bulk.ranges_args(acknowledged)
-            storage_direct.commit(
-                batch.conn, before=storage_direct.written(batch.conn, statement, args)
-            )
+            delete = storage_direct.written(batch.conn, statement, bulk.ranges_args(acknowledged))
+            if not any(plan[k] for k in _DURABLE) and not results:
+                # All this transaction writes is what far brokers have durably: lost in a
+                # crash, the rows are sent again and acknowledged as the duplicates they are.
+                delete = _NO_FLUSH + delete
+            storage_direct.commit(batch.conn, before=delete)
         elif self.b.dialect == "postgresql":
             storage_direct.commit(batch.conn)
         else:
