@@ -67,7 +67,7 @@ def _round(pair: Pair, messages: int, general: bool) -> float:
 
 
 def measure(
-    server: ScratchServer, dialogs: int = 200, messages: int = 5, rounds: int = 3
+    server: ScratchServer, dialogs: int = 500, messages: int = 10, rounds: int = 5
 ) -> list[str]:
     """The lines ``bench.delivery`` prints for this part."""
     pair = Pair(server, True, dialogs=dialogs)
@@ -89,9 +89,9 @@ def measure(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench._known_dialogs", description=__doc__)
-    p.add_argument("--dialogs", type=int, default=200)
-    p.add_argument("--messages", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dialogs", type=int, default=500)
+    p.add_argument("--messages", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--url", default=None)
     args: Any = p.parse_args(argv)
     server = ScratchServer(args.url)

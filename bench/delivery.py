@@ -58,8 +58,8 @@ healthy broker C while broker B, reached through a proxy that stops answering, h
 the same with B healthy (``--hung-rounds`` of each, ``--hung-dialogs`` dialogs to C):
 ``target delivery_with_hung_peer_vs_healthy: RATIO (goal >= 0.8)``.
 
-Known dialogs (``bench/_known_dialogs.py``), last: ``--known-dialogs`` dialogs B knows, 5
-messages each a round, delivered with the far broker's one-statement accept against its general
+Known dialogs (``bench/_known_dialogs.py``), last: ``--known-dialogs`` dialogs B knows, 10
+messages each a round, 5 rounds, delivered with the far broker's one-statement accept against its general
 accept: ``target known_dialogs_one_statement_vs_general: RATIO (goal >= 1.0)``.
 
 Request and reply (``bench/_request_reply.py``), before it: ``--exchanges`` exchanges a round (a
@@ -550,8 +550,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--known-dialogs",
         type=int,
-        default=200,
-        help="known dialogs of the one-statement-accept rounds (0: none)",
+        default=500,
+        help="known dialogs of the one-statement-accept rounds, 10 messages each (0: none)",
     )
     p.add_argument("--hung-rounds", type=int, default=2, help="hung-peer rounds (0: none)")
     p.add_argument("--hung-dialogs", type=int, default=2000, help="hung-peer dialogs to C")
@@ -616,7 +616,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.exchanges:
             hung += _request_reply.measure(server, args.exchanges, args.rounds)
         if args.known_dialogs:
-            hung += _known_dialogs.measure(server, args.known_dialogs, 5, args.rounds)
+            hung += _known_dialogs.measure(server, args.known_dialogs, 10, 5)
     finally:
         server.drop_all()
     print(format_table(results, batch))
