@@ -59,8 +59,8 @@ the same with B healthy (``--hung-rounds`` of each, ``--hung-dialogs`` dialogs t
 ``target delivery_with_hung_peer_vs_healthy: RATIO (goal >= 0.8)``.
 
 Known dialogs (``bench/_known_dialogs.py``), last: ``--known-dialogs`` dialogs B knows, 10
-messages each a round, 5 rounds, delivered with the far broker's one-statement accept against its general
-accept: ``target known_dialogs_one_statement_vs_general: RATIO (goal >= 1.0)``.
+messages each a round, 5 rounds, delivered with the far broker's one-statement accept against
+its general accept: ``target known_dialogs_one_statement_vs_general: RATIO (goal >= 1.0)``.
 
 Request and reply (``bench/_request_reply.py``), before it: ``--exchanges`` exchanges a round (a
 request SENT, delivered, RECEIVEd and answered, the answer delivered and RECEIVEd, one message
