@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from bench._request_reply import ANSWERER_QUEUE, Pair
-from bench._scratch import ScratchServer
+from bench._scratch import ScratchServer, run_part
 
 BODY = {"order": 7, "lines": ["y" * 40] * 4}
 
@@ -94,16 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--url", default=None)
     args: Any = p.parse_args(argv)
-    server = ScratchServer(args.url)
-    server.check()
-    try:
-        lines = measure(server, args.dialogs, args.messages, args.rounds)
-    finally:
-        server.drop_all()
-    for line in lines:
-        print(line)
-    print("", file=sys.stderr)
-    return 0
+    return run_part(
+        args.url, lambda server: measure(server, args.dialogs, args.messages, args.rounds)
+    )
 
 
 if __name__ == "__main__":

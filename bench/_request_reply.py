@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from bench._scratch import Database, ScratchServer
+from bench._scratch import Database, ScratchServer, run_part
 
 if TYPE_CHECKING:
     from airflow_broker import Broker
@@ -153,16 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--url", default=None)
     args = p.parse_args(argv)
-    server = ScratchServer(args.url)
-    server.check()
-    try:
-        lines = measure(server, args.exchanges, args.rounds)
-    finally:
-        server.drop_all()
-    for line in lines:
-        print(line)
-    print("", file=sys.stderr)
-    return 0
+    return run_part(args.url, lambda server: measure(server, args.exchanges, args.rounds))
 
 
 if __name__ == "__main__":

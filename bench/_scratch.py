@@ -147,3 +147,17 @@ def quiesce(*dbs: Database) -> None:
     if dbs:
         with psycopg.connect(dbs[0].conninfo, autocommit=True) as conn:
             conn.execute("CHECKPOINT")
+
+
+def run_part(url: str | None, measure: Callable[[ScratchServer], list[str]]) -> int:
+    """Run one part of a bench on its own (``python -m bench._part``): its scratch databases
+    on the server at ``url``, dropped afterwards, and the lines it prints."""
+    server = ScratchServer(url)
+    server.check()
+    try:
+        lines = measure(server)
+    finally:
+        server.drop_all()
+    for line in lines:
+        print(line)
+    return 0
