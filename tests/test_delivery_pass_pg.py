@@ -285,3 +285,42 @@ def test_a_peer_connection_broken_while_idle_is_replaced_before_use(
     assert outcomes == ["taken"], outcomes
     got = tp.by_conversation(b, tp.drain_all(b, tp.TARGET_QUEUE))
     assert [[m.json()["n"] for m in ms] for ms in got.values()] == [[1], [1]]
+
+
+def test_messages_through_a_forwarder_are_taken_in_one_statement_both_ways(
+    network: Callable[..., tp.Net], wire: Wire
+) -> None:
+    """A reaches B only through the forwarder G. Packets on known dialogs, which G passes on,
+    are taken by B (and the replies by A) with the one-statement accept; each arrives once, in
+    order, and is acknowledged back through G."""
+    net = network("a", "g", "b")
+    a, g, b = net["a"], net["g"], net["b"]
+    aid, bid = net.id("a"), net.id("b")
+    tp.host_initiator(a)
+    tp.host_target(b)
+    a.create_route("ViaG", tp.TARGET, bid, "broker://g")
+    b.create_route("BackViaG", tp.INITIATOR, aid, "broker://g")
+    with g.definitions() as d:
+        d.create_route("ToB", tp.TARGET, bid, "broker://b")
+        d.create_route("ToA", tp.INITIATOR, aid, "broker://a")
+        d.configure(forwarding=True)
+    handles = tp.send_dialogs(a, [1] * 3)
+    tp.deliver_until_empty(a)
+    first = tp.drain_all(b, tp.TARGET_QUEUE)
+    assert len(first) == 3
+    tp.send_more(a, handles, 1, 2)
+    with wire:
+        report = a.deliver()
+    assert report.delivered == 6, report
+    assert not a.transmission_queue() and not g.in_transit()
+    assert sum(ACCEPT_PLAIN.name in q for q in wire.at(b)) == 1, wire.at(b)
+    got = tp.by_conversation(b, tp.drain_all(b, tp.TARGET_QUEUE))
+    assert [[m.json()["n"] for m in ms] for ms in got.values()] == [[1, 2]] * 3
+    # The replies, back through G.
+    tp.reply_to_all(b, first, {"reply": 1})
+    with wire:
+        b.deliver()
+    assert sum(ACCEPT_PLAIN.name in q for q in wire.at(a)) == 1, wire.at(a)
+    assert not b.transmission_queue()
+    replies = tp.drain_all(a, tp.INIT_QUEUE)
+    assert sorted(m.conversation_handle for m in replies) == sorted(handles)

@@ -22,9 +22,7 @@ before it takes any, and leaves the conversation to packets if it cannot.
 
 from __future__ import annotations
 
-import time
 import uuid
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -32,7 +30,6 @@ from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError
 
 from airflow_broker.constants import (
     PRECEDENCE_NORMAL,
@@ -44,16 +41,14 @@ from airflow_broker.messaging.validation import VALIDATION_CODES
 from airflow_broker.security import dialogs
 from airflow_broker.security.crypto import SecurityFailure
 from airflow_broker.storage import bulk
-from airflow_broker.storage import direct as storage_direct
 from airflow_broker.storage import schema as s
-from airflow_broker.storage.accept_function import ACCEPT_PLAIN
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.context import BrokerContext
-from airflow_broker.storage.identity import copy_refusal
+from airflow_broker.transport import known
 from airflow_broker.transport.arrival import Definitions
 from airflow_broker.transport.batch_rows import message_columns
 from airflow_broker.transport.inbound import far_settings
-from airflow_broker.transport.packets import Unreachable
+from airflow_broker.transport.known import gapless
 from airflow_broker.transport.taker import held_messages, lock_endpoints, target_endpoint
 
 _NO_VALIDATION = VALIDATION_CODES["none"]
@@ -116,84 +111,39 @@ def accept(
         taken.append(more)
 
 
-#: Bodies in one ``broker_accept_plain`` call at most (bytes): it writes them as hex text; a
-#: batch of larger messages goes the general way, by COPY.
-MAX_KNOWN_BODIES = 1 << 20
-
-#: How long a far broker without ``broker_accept_plain`` (not upgraded) is not asked again.
-_MISSING_FOR = 60.0
-_missing: weakref.WeakKeyDictionary[BrokerContext, float] = weakref.WeakKeyDictionary()
-
-
 def _accept_known(
     peer: BrokerContext, sender: str, conversations: Sequence[Conversation]
 ) -> Taken | None:
-    """The conversations ``peer`` has an endpoint for, in clear, taken in one round trip by
-    ``broker_accept_plain`` (:mod:`airflow_broker.storage.accept_function`), which commits on
-    its own; None when none was asked (none is known to be for ``peer``'s instance, or the
-    function is missing there)."""
-    if _missing.get(peer, 0.0) > time.monotonic():
-        return None
-    asked = [c for c in conversations if c.target is not None and not c.secure and _gapless(c)]
-    if not asked or len({c.target for c in asked}) != 1:
-        return None
-    size = sum(len(message_columns(r)[2] or b"") for c in asked for r in c.rows)
-    if size > MAX_KNOWN_BODIES:
-        return None
-    refused = copy_refusal(peer)
-    if refused is not None:
-        raise Unreachable(refused)
-    of: list[int] = []
-    seqs: list[int] = []
-    types: list[str] = []
-    bodies: list[bytes | None] = []
-    for i, c in enumerate(asked, 1):
-        for r in c.rows:
-            seq, message_type, body = message_columns(r)
-            of.append(i)
-            seqs.append(seq)
-            types.append(message_type)
-            bodies.append(body)
-    args = [
-        sender,
-        asked[0].target,
-        [c.conversation_id for c in asked],
-        [c.from_initiator for c in asked],
-        [c.contract for c in asked],
-        [c.rows[0].message_sequence_number for c in asked],
-        [c.rows[-1].message_sequence_number for c in asked],
-        of,
-        seqs,
-        types,
-        bodies,
-        utcnow(),
+    """The conversations ``peer`` has an endpoint for, in clear, taken in one round trip
+    (:mod:`.known`); None when none was asked (none is known to be for ``peer``'s instance, or
+    the function is missing there)."""
+    asked = [
+        c
+        for c in conversations
+        if c.target is not None
+        and not c.secure
+        and gapless([r.message_sequence_number for r in c.rows])
     ]
-    try:
-        fairy = peer.engine.raw_connection()
-    except peer.engine.dialect.loaded_dbapi.Error as exc:  # not wrapped by the pool
-        raise Unreachable(f"cannot connect: {exc}".strip()) from exc
-    try:
-        rows = storage_direct.execute_committed(fairy, peer.engine, ACCEPT_PLAIN, args)
-    except DBAPIError as exc:
-        if getattr(exc.orig, "sqlstate", None) != _UNDEFINED_FUNCTION:
-            raise
-        _missing[peer] = time.monotonic() + _MISSING_FOR
+    if not asked or len({c.target for c in asked}) != 1 or not known.asks(peer):
         return None
-    finally:
-        fairy.close()
-    by_key = {(c.conversation_id, c.from_initiator): c.handle for c in asked}
-    upto = {by_key[(cid, ini)]: int(n) for cid, ini, n, _ in rows}
-    return Taken(upto, sum(int(r[3]) for r in rows), str(asked[0].target))
-
-
-#: SQLSTATE undefined_function: the far broker's schema predates ``broker_accept_plain``.
-_UNDEFINED_FUNCTION = "42883"
-
-
-def _gapless(c: Conversation) -> bool:
-    """Whether ``c``'s messages follow one another without a gap."""
-    first = c.rows[0].message_sequence_number
-    return all(r.message_sequence_number == first + i for i, r in enumerate(c.rows))
+    target = str(asked[0].target)
+    offered = [
+        known.Known(
+            c.conversation_id, c.from_initiator, c.contract, [message_columns(r) for r in c.rows]
+        )
+        for c in asked
+    ]
+    took = known.accept_known(peer, sender, target, offered)
+    if took is None:
+        return None
+    upto: dict[uuid.UUID, int] = {}
+    inserted = 0
+    for c in asked:
+        answer = took.get((c.conversation_id, c.from_initiator))
+        if answer is not None:
+            upto[c.handle] = answer[0]
+            inserted += answer[1]
+    return Taken(upto, inserted, target)
 
 
 class _Accept:
