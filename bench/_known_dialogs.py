@@ -11,7 +11,9 @@ round trips. Both are measured here on the same pair of broker databases, altern
   one transaction per message number), then times ``deliver()`` passes until the sender's
   transmission queue is empty (the far queue is drained afterwards, untimed);
 - ``general``: the same with the one-statement accept turned off
-  (``transport.direct._accept_known`` answers None), so every conversation goes the general way.
+  (``transport.direct._accept_known`` answers None), so every conversation goes the general way;
+- ``packets`` (an info line): every conversation pushed as packets, as a forwarder, an inbox or
+  a SQLite sender delivers them, and taken by the one-statement accept at the far broker.
 
 ``target known_dialogs_one_statement_vs_general: RATIO (goal >= 1.0)`` is messages a second
 delivered the one-statement way over the general way, medians of the rounds: the short path
@@ -32,17 +34,26 @@ from bench._scratch import ScratchServer, run_part
 BODY = {"order": 7, "lines": ["y" * 40] * 4}
 
 
-def _round(pair: Pair, messages: int, general: bool) -> float:
+#: How a round delivers: the one-statement accept without packets, the general accept without
+#: packets, or packets (as a forwarder, an inbox or a SQLite sender delivers) taken by the
+#: one-statement accept at the far broker.
+ONE_STATEMENT, GENERAL, PACKETS = "one-statement", "general", "packets"
+MODES = (ONE_STATEMENT, GENERAL, PACKETS)
+
+
+def _round(pair: Pair, messages: int, mode: str) -> float:
     """Messages a second of one round's delivery passes."""
-    from airflow_broker.transport import direct
+    from airflow_broker.transport import Transport, direct
 
     for k in range(messages):
         with pair.asker.transaction() as tx:
             tx.send(list(pair.handles), body={**BODY, "k": k})
     total = messages * len(pair.handles)
-    accept_known = direct._accept_known
-    if general:
+    accept_known, send_direct = direct._accept_known, Transport._send_direct
+    if mode == GENERAL:
         direct._accept_known = lambda *_args: None  # type: ignore[assignment]
+    elif mode == PACKETS:
+        Transport._send_direct = lambda _self, _address, conversations, _plan: conversations  # type: ignore[method-assign,assignment]
     try:
         started = time.perf_counter()
         moved = 0
@@ -51,6 +62,7 @@ def _round(pair: Pair, messages: int, general: bool) -> float:
         took = time.perf_counter() - started
     finally:
         direct._accept_known = accept_known
+        Transport._send_direct = send_direct  # type: ignore[method-assign]
     if moved != total:
         raise RuntimeError(f"delivered {moved} of {total} messages")
     got = 0
@@ -70,18 +82,18 @@ def measure(
 ) -> list[str]:
     """The lines ``bench.delivery`` prints for this part."""
     pair = Pair(server, True, dialogs=dialogs)
-    rates: dict[bool, list[float]] = {False: [], True: []}
+    rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     try:
         for r in range(rounds):
-            for general in (False, True) if r % 2 == 0 else (True, False):
-                rates[general].append(_round(pair, messages, general))
+            for mode in MODES if r % 2 == 0 else MODES[::-1]:
+                rates[mode].append(_round(pair, messages, mode))
     finally:
         pair.close()
-    one, general = statistics.median(rates[False]), statistics.median(rates[True])
+    one, general, packets = (statistics.median(rates[mode]) for mode in MODES)
     return [
         f"info known_dialogs: {one:,.0f} msgs/s delivered the one-statement way, {general:,.0f} "
-        f"the general way ({dialogs} known dialogs x {messages} messages a round, {rounds} "
-        "rounds)",
+        f"the general way, {packets:,.0f} as packets taken the one-statement way ({dialogs} "
+        f"known dialogs x {messages} messages a round, {rounds} rounds)",
         f"target known_dialogs_one_statement_vs_general: {one / general:.2f} (goal >= 1.0)",
     ]
 
