@@ -106,7 +106,7 @@ def execute(
     info = fairy.info
     literals = [literal(_escaping(info, raw), a) for a in args]
     begin = pgconn.transaction_status == _IDLE
-    inline = conn.engine in _inline_engines or statement.planned_each_run
+    inline = _written_whole(conn.engine, statement)
     query, sent = _statement_parts(statement, literals, inline=inline)
     prepared: set[str] = info.setdefault("broker_prepared", set())
     new = not inline and statement.name not in prepared
@@ -153,7 +153,7 @@ def execute_committed(
     raw: Any = fairy.driver_connection
     info = fairy.info
     for attempt in (1, 2):
-        inline = engine in _inline_engines
+        inline = _written_whole(engine, statement)
         prepared: set[str] = info.setdefault("broker_prepared", set())
         # Outside a transaction only: inside one (never, from the pool), Sync would not end it.
         idle = raw.pgconn.transaction_status == _IDLE
@@ -322,7 +322,7 @@ def can_commit_then_execute(conn: Connection, statement: Prepared) -> bool:
     raw: Any = fairy.driver_connection
     if raw.pgconn.transaction_status != _INTRANS:
         return False
-    if conn.engine in _inline_engines:
+    if _written_whole(conn.engine, statement):
         return True
     prepared: set[str] = fairy.info.get("broker_prepared", set())
     return statement.name in prepared
@@ -347,7 +347,7 @@ def commit_then_execute(
     literals = [literal(_escaping(fairy.info, raw), a) for a in args]
     # Behind a pooler the whole query runs on one server process: the transaction that BEGIN
     # opens keeps it, and the statement goes whole or after the block that prepares it.
-    _, sent = _statement_parts(statement, literals, inline=conn.engine in _inline_engines)
+    _, sent = _statement_parts(statement, literals, inline=_written_whole(conn.engine, statement))
     first = [] if before is None else [before]
     query = b";".join([*first, b"COMMIT", b"BEGIN", *sent])
     results = _results(conn, raw, query)
@@ -373,6 +373,12 @@ def commit_then_execute(
 _NOT_KEPT = ("26000", "42P05")
 #: Engines whose server keeps no prepared statements between transactions (see execute).
 _inline_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _written_whole(engine: Engine, statement: Prepared) -> bool:
+    """Whether ``statement`` goes written whole with its values rather than prepared: behind a
+    pooler (:func:`stop_preparing`), or planned for its values on every run."""
+    return statement.planned_each_run or engine in _inline_engines
 
 
 def _run(conn: Connection, raw: Any, query: bytes, *, pick: int = -1) -> PGresult:
