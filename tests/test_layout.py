@@ -24,8 +24,9 @@ WHY_MARKER = "One module because"
 
 
 def test_import_contracts_hold() -> None:
-    """The layers contract, the two forbidden contracts (shared leaves import no layer; nothing
-    but the Airflow glue imports airflow) and the acyclic contract (pyproject.toml)."""
+    """The contracts in pyproject.toml: the layers, the forbidden ones (shared leaves import no
+    layer; nothing but the Airflow glue imports airflow; a package's modules do not import
+    the package's own ``__init__``) and the acyclic one."""
     lint = Path(sys.executable).with_name("lint-imports")
     done = subprocess.run(
         [str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300
@@ -61,6 +62,54 @@ def test_a_layer_violation_breaks_the_contract(tmp_path: Path) -> None:
     assert "airflow_broker.storage is not allowed to import airflow_broker.broker" in " ".join(
         done.stdout.split()
     )
+
+
+def _package_cycles(package: Path, name: str) -> list[str]:
+    """Each ``from P import ...`` (names or submodules) in a module of package P whose
+    ``__init__`` imports that module, directly or through others: a cycle through P's
+    ``__init__``, which import-linter's graph does not show when what is imported is a
+    submodule."""
+    import grimp
+
+    graph = grimp.build_graph(name, cache_dir=None, exclude_type_checking_imports=True)
+    packages = {
+        ".".join((name, *init.parent.relative_to(package).parts))
+        for init in package.rglob("__init__.py")
+    }
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        module = ".".join((name, *path.with_suffix("").relative_to(package).parts))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+                continue
+            owner = node.module
+            inside = owner in packages and module.startswith(owner + ".")
+            if inside and graph.find_shortest_chain(importer=owner, imported=module):
+                found.append(f"{module}:{node.lineno}: from {owner} import ...")
+    return found
+
+
+def test_no_module_imports_the_package_init_that_imports_it() -> None:
+    assert _package_cycles(PACKAGE, "airflow_broker") == []
+
+
+def test_a_cycle_through_a_package_init_is_reported(tmp_path: Path) -> None:
+    """The check can fail: a module of a package whose ``__init__`` imports it, taking a
+    sibling through that ``__init__``."""
+    pkg = tmp_path / "probe_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from probe_pkg.a import A\n")
+    (pkg / "a.py").write_text("from probe_pkg import b\n\nA = b.B\n")
+    (pkg / "b.py").write_text("B = 1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert _package_cycles(pkg, "probe_pkg") == ["probe_pkg.a:1: from probe_pkg import ..."]
+    finally:
+        sys.path.remove(str(tmp_path))
+        for mod in [m for m in sys.modules if m.split(".")[0] == "probe_pkg"]:
+            del sys.modules[mod]
 
 
 def test_every_package_directory_is_shipped() -> None:

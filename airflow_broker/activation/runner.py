@@ -39,15 +39,9 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import func, select
 
-from airflow_broker.activation import (
-    ACTIVATION_KEY,
-    Handler,
-    Monitor,
-    ReaderSlot,
-    drain,
-    due_step,
-    resolve_handler,
-)
+from airflow_broker.activation.decision import ACTIVATION_KEY
+from airflow_broker.activation.monitor import Monitor, due_step
+from airflow_broker.activation.readers import Handler, ReaderSlot, drain, resolve_handler
 from airflow_broker.constants import STATUS_READY
 from airflow_broker.errors import InvalidDefinition, UnknownObject
 from airflow_broker.operations import observation

@@ -7,7 +7,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from airflow_broker.cli import certificates, check, identity, permissions, purge
+import airflow_broker.cli.certificates as certificates
+import airflow_broker.cli.check as check
+import airflow_broker.cli.identity as identity
+import airflow_broker.cli.permissions as permissions
+import airflow_broker.cli.purge as purge
 from airflow_broker.cli.common import (
     DEFAULT_URL,
     ENV_URL,

@@ -22,12 +22,12 @@ from sqlalchemy import exists, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+import airflow_broker.transport.inbox as inbox
 from airflow_broker.messaging.delivery import backoff
 from airflow_broker.storage import bulk, waits
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware
 from airflow_broker.storage.context import BrokerContext
-from airflow_broker.transport import inbox
 from airflow_broker.transport.outcomes import UNREACHABLE
 from airflow_broker.transport.packets import DROPPED
 

@@ -31,6 +31,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+import airflow_broker.transport.known as known
 from airflow_broker.constants import (
     PRECEDENCE_NORMAL,
     SENDABLE_STATES,
@@ -44,7 +45,6 @@ from airflow_broker.storage import bulk
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import utcnow
 from airflow_broker.storage.context import BrokerContext
-from airflow_broker.transport import known
 from airflow_broker.transport.arrival import Definitions
 from airflow_broker.transport.batch_rows import message_columns
 from airflow_broker.transport.inbound import far_settings

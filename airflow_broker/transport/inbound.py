@@ -17,12 +17,12 @@ from sqlalchemy import select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
+import airflow_broker.transport.known as known
 from airflow_broker.errors import BrokerError
 from airflow_broker.messaging.lookups import hosted_services
 from airflow_broker.storage import schema as s
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.storage.identity import copy_refusal
-from airflow_broker.transport import known
 from airflow_broker.transport.forwarding import Forwarder
 from airflow_broker.transport.packets import (
     ACK,

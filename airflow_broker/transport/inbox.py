@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import delete, insert, literal_column, select, text
 from sqlalchemy.exc import DBAPIError
@@ -52,9 +52,23 @@ from airflow_broker.transport.wire import (
 
 if TYPE_CHECKING:
     from airflow_broker.storage.context import BrokerContext
-    from airflow_broker.transport.outbound import Transport
 
 log = logging.getLogger("airflow_broker")
+
+
+class Transport(Protocol):
+    """The pass that accepts the inbox (:class:`~.outbound.Transport`): its broker, and how it
+    passes packets on to other brokers (a forwarder's next hop)."""
+
+    @property
+    def b(self) -> BrokerContext:
+        """This broker."""
+
+    def push_any(
+        self, addresses: Iterable[str], packets: Sequence[Packet], depth: int = 0
+    ) -> tuple[Outcome | None, list[str]]:
+        """Push ``packets`` to the first of ``addresses`` that takes them."""
+
 
 #: Batches one transaction of :func:`accept_inbox` takes (each is accepted on its own).
 ACCEPT_BATCHES = 20

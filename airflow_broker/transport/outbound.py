@@ -19,6 +19,13 @@ from sqlalchemy import delete, select, tuple_, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
+import airflow_broker.transport.causes as causes
+import airflow_broker.transport.deadlines as deadlines
+import airflow_broker.transport.direct as direct
+import airflow_broker.transport.inbox as inbox
+import airflow_broker.transport.lanes as lanes
+import airflow_broker.transport.pipeline as pipeline
+import airflow_broker.transport.route_requests as route_requests
 from airflow_broker import metrics, routing
 from airflow_broker.messaging.delivery import RETRY_BASE
 from airflow_broker.messaging.duework import DueWork
@@ -28,15 +35,6 @@ from airflow_broker.storage import schema as s
 from airflow_broker.storage.clock import aware, utcnow
 from airflow_broker.storage.context import BrokerContext
 from airflow_broker.storage.identity import copy_refusal
-from airflow_broker.transport import (
-    causes,
-    deadlines,
-    direct,
-    inbox,
-    lanes,
-    pipeline,
-    route_requests,
-)
 from airflow_broker.transport.arrival import fail_endpoint
 from airflow_broker.transport.direct import Conversation
 from airflow_broker.transport.forwarding import (

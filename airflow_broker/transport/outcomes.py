@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from airflow_broker.transport import direct, inbox
+import airflow_broker.transport.direct as direct
+import airflow_broker.transport.inbox as inbox
 from airflow_broker.transport.packets import _UNREACHABLE, HELD, Outcome, Packet
 
 #: why a row a push left waiting waits: no far broker took it (else HELD or DROPPED, its note)

@@ -33,14 +33,11 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sqlalchemy.engine import Connection
 
-from airflow_broker.transport.packets import _first_line
-
-if TYPE_CHECKING:
-    from airflow_broker.transport.outbound import Transport
+from airflow_broker.transport.packets import Outcome, Packet, _first_line
 
 log = logging.getLogger("airflow_broker")
 
@@ -56,6 +53,27 @@ class Batch:
     now: datetime
     #: the next batch may take rows of its last conversation
     open_ended: bool
+
+
+#: What one destination answered a batch: (the packets sent, the outcome or None, the failure).
+Results = list[tuple[list[Packet], Outcome | None, str]]
+
+
+class Transport(Protocol):
+    """The pass whose batches the pipeline runs (:class:`~.outbound.Transport`): its batch size,
+    how many batches it has in flight at most, and its stages."""
+
+    BATCH: int
+    IN_FLIGHT: int
+
+    def _take(self, limit: int, retry_now: bool, after: list[Any], *, room: int) -> Batch | None:
+        """Take and plan the next batch, in a new source transaction."""
+
+    def _send(self, plan: dict[str, Any]) -> Results:
+        """Push a batch's messages to their far brokers."""
+
+    def _finish(self, batch: Batch, results: Results, counts: dict[str, int]) -> None:
+        """Apply what the far brokers answered and commit the batch."""
 
 
 def deliver_batches(

@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
+import airflow_broker.transport.causes as causes
 from airflow_broker import routing
 from airflow_broker.messaging.lookups import hosted_services
 from airflow_broker.routing import dynamic
@@ -19,7 +20,6 @@ from airflow_broker.security import dialogs
 from airflow_broker.security.crypto import SecurityFailure
 from airflow_broker.storage.clock import aware
 from airflow_broker.storage.context import BrokerContext
-from airflow_broker.transport import causes
 from airflow_broker.transport.batch_rows import packet_columns, sealed
 from airflow_broker.transport.direct import Conversation
 from airflow_broker.transport.packets import MESSAGE, Packet

@@ -38,9 +38,9 @@ from typing import Any
 
 from sqlalchemy import event, make_url
 
+import airflow_broker.transport.deadlines as deadlines
 from airflow_broker import routing
 from airflow_broker.storage.context import BrokerContext
-from airflow_broker.transport import deadlines
 from airflow_broker.transport.deadlines import CONNECT_TIMEOUT as CONNECT_TIMEOUT
 from airflow_broker.transport.deadlines import env_number as _env_number
 from airflow_broker.transport.packets import Unreachable

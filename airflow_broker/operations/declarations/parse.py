@@ -13,10 +13,11 @@ from typing import Any, Final
 
 import yaml
 
+import airflow_broker.operations.declarations.permissions as permissions
+import airflow_broker.operations.declarations.security as security
 from airflow_broker.constants import SENT_BY, VALIDATIONS
 from airflow_broker.errors import InvalidDefinition
 from airflow_broker.messaging.definitions import Activation
-from airflow_broker.operations.declarations import permissions, security
 from airflow_broker.operations.declarations.model import (
     _D,
     _NULL,

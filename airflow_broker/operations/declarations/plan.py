@@ -10,10 +10,11 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+import airflow_broker.operations.declarations.permissions as permissions
+import airflow_broker.operations.declarations.security as security
 from airflow_broker.constants import DEFAULT
 from airflow_broker.messaging.definitions import Activation
 from airflow_broker.messaging.objects import Catalog
-from airflow_broker.operations.declarations import permissions, security
 from airflow_broker.operations.declarations.model import (
     KIND,
     SECTIONS,
