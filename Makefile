@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo demo-spark test test-breadth test-pgbouncer test-oldest oldest lint unit install install-dev postgres browser spark pgbouncer redis bench soak clean
+.PHONY: demo demo-spark test test-breadth test-pgbouncer test-oldest oldest lint docs unit install install-dev postgres browser spark pgbouncer redis bench soak clean
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ lint: install-dev
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 
+# The guides (docs/*.md) and the API reference from the docstrings (docs/api/), with every
+# warning an error: a broken link, a docstring Sphinx cannot read, a page left out of the index.
+docs: install-dev
+	$(BIN)/sphinx-build -E -W --keep-going -q -b html docs docs/_build/html
+
 # The PostgreSQL tests of the engine, leases, failure handling, delivery, activation and the
 # transmitter, run a second time through a PgBouncer in transaction mode that each test process
 # starts (tests/support/pgbouncer.py); tests of a direct connection's own mechanics are left out.
@@ -98,7 +103,7 @@ run-oldest:
 # What the tests talk to is installed and started first: PostgreSQL, chromium, Java + JDBC,
 # PgBouncer, Redis; then the whole suite on the newest Airflow, the PostgreSQL subset through
 # PgBouncer, and the end-to-end set on the oldest Airflow.
-test: install-dev postgres browser spark pgbouncer redis oldest lint
+test: install-dev postgres browser spark pgbouncer redis oldest lint docs
 	$(BIN)/pytest -n 2 --dist loadgroup
 	$(MAKE) --no-print-directory -j2 --output-sync=target run-pgbouncer run-oldest
 
@@ -117,4 +122,4 @@ bench: install-dev postgres
 	$(BIN)/python -m bench.throughput
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info docs/_build
