@@ -109,16 +109,31 @@ class Broker(BrokerContext):
             getattr(d, verb)(*args, **kwargs)
 
     def create_message_type(
-        self, name: str, validation: str = "none", json_schema: dict[str, Any] | None = None
+        self,
+        name: str,
+        validation: str = "none",
+        json_schema: dict[str, Any] | None = None,
+        xml_schema: str | None = None,
     ) -> None:
         """CREATE MESSAGE TYPE (see :meth:`Definitions.create_message_type`)."""
-        self._define("create_message_type", name, validation, json_schema)
+        self._define("create_message_type", name, validation, json_schema, xml_schema)
 
     def alter_message_type(
-        self, name: str, *, validation: str, json_schema: dict[str, Any] | None = None
+        self,
+        name: str,
+        *,
+        validation: str,
+        json_schema: dict[str, Any] | None = None,
+        xml_schema: str | None = None,
     ) -> None:
         """ALTER MESSAGE TYPE (see :meth:`Definitions.alter_message_type`)."""
-        self._define("alter_message_type", name, validation=validation, json_schema=json_schema)
+        self._define(
+            "alter_message_type",
+            name,
+            validation=validation,
+            json_schema=json_schema,
+            xml_schema=xml_schema,
+        )
 
     def create_contract(self, name: str, message_types: dict[str, str]) -> None:
         """CREATE CONTRACT (see :meth:`Definitions.create_contract`)."""

@@ -73,7 +73,7 @@ PRECEDENCE_TIMER: Final = 0
 PRECEDENCE_ERROR: Final = 1
 PRECEDENCE_NORMAL: Final = 2
 
-VALIDATIONS: Final = ("none", "empty", "json", "json_schema", "well_formed_xml")
+VALIDATIONS: Final = ("none", "empty", "json", "json_schema", "well_formed_xml", "xml_schema")
 SENT_BY: Final = ("initiator", "target", "any")
 
 

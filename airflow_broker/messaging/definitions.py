@@ -108,37 +108,54 @@ class Definitions(ServiceDefinitions, RouteDefinitions, SecurityDefinitions, Per
 
     # -- message types -------------------------------------------------------------------------
     def create_message_type(
-        self, name: str, validation: str = "none", json_schema: dict[str, Any] | None = None
+        self,
+        name: str,
+        validation: str = "none",
+        json_schema: dict[str, Any] | None = None,
+        xml_schema: str | None = None,
     ) -> None:
-        """CREATE MESSAGE TYPE. ``validation``: none, empty, json, json_schema, well_formed_xml."""
+        """CREATE MESSAGE TYPE. ``validation``: none, empty, json, json_schema, well_formed_xml,
+        xml_schema. ``json_schema`` (a JSON Schema, a dict) goes with ``validation="json_schema"``
+        only, ``xml_schema`` (the text of an XSD 1.0 schema, ``<xs:schema ...>``) with
+        ``validation="xml_schema"`` only; an invalid schema is refused here."""
         as_name(name, "message type")
         if name in SYSTEM_MESSAGE_TYPES:
             raise InvalidDefinition(f"message type {name!r} is a system message type")
-        check_definition(name, validation, json_schema)
+        check_definition(name, validation, json_schema, xml_schema)
         self._refuse_existing(s.message_type, s.message_type.c.name, name, "message type")
         self._conn.execute(
             insert(s.message_type).values(
-                name=name, validation=validation, json_schema=json_schema, created_at=utcnow()
+                name=name,
+                validation=validation,
+                json_schema=json_schema,
+                xml_schema=xml_schema,
+                created_at=utcnow(),
             )
         )
 
     def alter_message_type(
-        self, name: str, *, validation: str, json_schema: dict[str, Any] | None = None
+        self,
+        name: str,
+        *,
+        validation: str,
+        json_schema: dict[str, Any] | None = None,
+        xml_schema: str | None = None,
     ) -> None:
         """ALTER MESSAGE TYPE ... VALIDATION: messages sent from now on are validated by the new
-        definition (``json_schema`` goes with ``validation="json_schema"`` only); messages
-        already sent keep what they were checked against. Turning validation off in production
-        and on in development is the usual reason (seed 004)."""
+        definition (``json_schema`` goes with ``validation="json_schema"`` only, ``xml_schema``
+        with ``validation="xml_schema"`` only); messages already sent keep what they were
+        checked against. Turning validation off in production and on in development is the
+        usual reason (seed 004)."""
         self._require(s.message_type, s.message_type.c.name, name, "message type")
         if name == DEFAULT:
             raise InvalidDefinition(
                 f"message type {DEFAULT!r} is a system object and cannot be altered"
             )
-        check_definition(name, validation, json_schema)
+        check_definition(name, validation, json_schema, xml_schema)
         self._conn.execute(
             update(s.message_type)
             .where(s.message_type.c.name == name)
-            .values(validation=validation, json_schema=json_schema)
+            .values(validation=validation, json_schema=json_schema, xml_schema=xml_schema)
         )
 
     def drop_message_type(self, name: str) -> None:

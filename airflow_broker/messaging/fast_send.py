@@ -322,9 +322,9 @@ def fast_args(
         mtype = message_type_def(broker, conn, message_type)
     if mtype is None:
         return None
-    validation, json_schema = mtype
+    validation, schema = mtype
     try:
-        validate_body(message_type, validation, json_schema, payload)
+        validate_body(message_type, validation, schema, payload)
     except MessageValidationError:
         return None
     return [

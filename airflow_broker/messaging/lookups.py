@@ -134,18 +134,26 @@ def priority_for(
     return best[1] if best else 5
 
 
+def _schema(row: Any) -> Any:
+    """The schema a message type row validates bodies against: its JSON schema (a dict) for
+    validation ``json_schema``, its XSD text for ``xml_schema``, else None."""
+    return row.xml_schema if row.validation == "xml_schema" else row.json_schema
+
+
 def message_type_def(
     broker: BrokerContext, conn: Connection, message_type: str
 ) -> tuple[str, Any] | None:
-    """(validation, json_schema) of a message type, or None if there is no such type."""
+    """(validation, schema) of a message type, or None if there is no such type (the schema as
+    :func:`~airflow_broker.messaging.validation.validate_body` takes it)."""
 
     def load() -> tuple[str, Any] | None:
+        mt = s.message_type
         row = conn.execute(
-            select(s.message_type.c.validation, s.message_type.c.json_schema).where(
-                s.message_type.c.name == message_type
+            select(mt.c.validation, mt.c.json_schema, mt.c.xml_schema).where(
+                mt.c.name == message_type
             )
         ).first()
-        return None if row is None else (row.validation, row.json_schema)
+        return None if row is None else (row.validation, _schema(row))
 
     return broker.cached_definition(("message_type", message_type), load)
 
@@ -160,7 +168,8 @@ def known_message_type_def(broker: BrokerContext, message_type: str) -> tuple[st
 def contract_rule(
     broker: BrokerContext, conn: Connection, contract: str, message_type: str
 ) -> tuple[str, str, Any]:
-    """(sent_by, validation, json_schema) of ``message_type`` in ``contract``."""
+    """(sent_by, validation, schema) of ``message_type`` in ``contract`` (the schema as
+    :func:`message_type_def` gives it)."""
 
     def load() -> tuple[str, str, Any] | None:
         row = conn.execute(
@@ -168,6 +177,7 @@ def contract_rule(
                 s.contract_message.c.sent_by,
                 s.message_type.c.validation,
                 s.message_type.c.json_schema,
+                s.message_type.c.xml_schema,
             )
             .join(s.message_type, s.message_type.c.name == s.contract_message.c.message_type_name)
             .where(
@@ -175,7 +185,7 @@ def contract_rule(
                 s.contract_message.c.message_type_name == message_type,
             )
         ).first()
-        return None if row is None else (row.sent_by, row.validation, row.json_schema)
+        return None if row is None else (row.sent_by, row.validation, _schema(row))
 
     rule = broker.cached_definition(("rule", contract, message_type), load)
     if rule is None:

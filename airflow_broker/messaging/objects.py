@@ -210,6 +210,8 @@ class MessageTypeDef:
     name: str
     validation: str
     json_schema: dict[str, Any] | None = None
+    #: the XSD text of validation ``xml_schema``
+    xml_schema: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+import warnings
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 from defusedxml import ElementTree as SafeElementTree
 
 from airflow_broker.constants import VALIDATIONS
 from airflow_broker.errors import InvalidDefinition, MessageValidationError
+
+if TYPE_CHECKING:
+    from xmlschema import XMLSchemaBase
 
 #: One-letter codes of the RECEIVE ``validation`` column (Service Broker uses N, E and X).
 VALIDATION_CODES = {
@@ -18,7 +23,13 @@ VALIDATION_CODES = {
     "json": "J",
     "json_schema": "S",
     "well_formed_xml": "X",
+    "xml_schema": "V",
 }
+
+#: Compiled XML schemas kept per process (see :func:`compiled_xml_schema`).
+XML_SCHEMA_CACHE_SIZE = 128
+#: Said of a schema that names another document (an include, an import with a location).
+_WHOLE = "(the broker reads no other document: give the whole schema in one)"
 
 
 def encode_body(body: Any) -> bytes | None:
@@ -47,7 +58,12 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def check_definition(name: str, validation: str, json_schema: dict[str, Any] | None) -> None:
+def check_definition(
+    name: str,
+    validation: str,
+    json_schema: dict[str, Any] | None,
+    xml_schema: str | None = None,
+) -> None:
     """Refuse a message type definition that could never validate anything."""
     if validation not in VALIDATIONS:
         raise InvalidDefinition(
@@ -70,12 +86,79 @@ def check_definition(name: str, validation: str, json_schema: dict[str, Any] | N
         raise InvalidDefinition(
             f"message type {name!r}: json_schema is only allowed with validation 'json_schema'"
         )
+    if validation == "xml_schema":
+        if not isinstance(xml_schema, str) or not xml_schema.strip():
+            raise InvalidDefinition(
+                f"message type {name!r}: validation 'xml_schema' needs xml_schema='<xs:schema ...>'"
+            )
+        complaint = xml_schema_complaint(xml_schema)
+        if complaint is not None:
+            raise InvalidDefinition(
+                f"message type {name!r}: xml_schema is not a valid XML Schema: {complaint}"
+            )
+    elif xml_schema is not None:
+        raise InvalidDefinition(
+            f"message type {name!r}: xml_schema is only allowed with validation 'xml_schema'"
+        )
 
 
-def validate_body(
-    message_type: str, validation: str, json_schema: dict[str, Any] | None, body: bytes | None
-) -> None:
-    """Raise :class:`MessageValidationError` unless ``body`` satisfies the message type."""
+def _build_xml_schema(text: str) -> XMLSchemaBase:
+    """An XSD 1.0 schema from its text. Nothing outside the text is read: no file, no URL (an
+    ``xs:include`` or ``xs:import`` with a location fails), and the text is parsed defused."""
+    import xmlschema  # here: importing it costs half a second that most processes never need
+
+    if not text.lstrip().startswith("<"):
+        # xmlschema would take the string for a file name or a URL
+        raise ValueError("it is not XML text (give the schema itself, not a file name or URL)")
+    return xmlschema.XMLSchema10(text, allow="none", defuse="always")
+
+
+def _complaint(exc: Exception) -> str:
+    """The library's complaint in one line: what is wrong, and where when it says."""
+    message = getattr(exc, "reason", None) or getattr(exc, "message", None)
+    if not message:
+        message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    path = getattr(exc, "path", None)
+    return f"{str(message).rstrip(':')} (at {path})" if path else str(message).rstrip(":")
+
+
+def xml_schema_complaint(text: str) -> str | None:
+    """Why ``text`` is not an XML Schema that message bodies can be validated against (the
+    library's complaint), or None when it is one."""
+    from xmlschema.exceptions import XMLResourceBlocked
+
+    try:
+        with warnings.catch_warnings():
+            # An import that could not be read: reported below, not printed.
+            warnings.simplefilter("ignore")
+            schema = _build_xml_schema(text)
+    except XMLResourceBlocked as exc:  # an include (or redefine) with a location
+        return f"{_complaint(exc)} {_WHOLE}"
+    except Exception as exc:  # parse errors, bad components alike
+        return _complaint(exc)
+    if schema.warnings:
+        return f"{str(schema.warnings[0]).rstrip('.')} {_WHOLE}"
+    return None
+
+
+@functools.lru_cache(maxsize=XML_SCHEMA_CACHE_SIZE)
+def compiled_xml_schema(message_type: str, text: str) -> XMLSchemaBase:
+    """The schema ``text`` of ``message_type``, compiled once per process: SEND does not parse
+    the XSD again. Keyed by the text, so a schema altered here or in another process is compiled
+    afresh as soon as the definition is read again."""
+    try:
+        return _build_xml_schema(text)
+    except Exception as exc:  # checked at CREATE / ALTER: only a library change gets here
+        raise MessageValidationError(
+            f"message type {message_type!r}: its xml_schema does not compile: {_complaint(exc)}"
+        ) from exc
+
+
+def validate_body(message_type: str, validation: str, schema: Any, body: bytes | None) -> None:
+    """Raise :class:`MessageValidationError` unless ``body`` satisfies the message type.
+
+    ``schema``: the message type's JSON schema (a dict) with ``validation="json_schema"``, its
+    XML schema text with ``validation="xml_schema"``, else None."""
     if validation == "none":
         return
     if validation == "empty":
@@ -90,13 +173,21 @@ def validate_body(
             f"message type {message_type!r} has validation {validation!r} but the message has "
             "no body"
         )
-    if validation == "well_formed_xml":
+    if validation in ("well_formed_xml", "xml_schema"):
         try:
-            SafeElementTree.fromstring(body)
+            root = SafeElementTree.fromstring(body)
         except Exception as exc:  # ParseError and defusedxml's refusals alike
             raise MessageValidationError(
                 f"message type {message_type!r} needs well-formed XML: {exc}"
             ) from exc
+        if validation == "xml_schema":
+            assert isinstance(schema, str)
+            error = next(compiled_xml_schema(message_type, schema).iter_errors(root), None)
+            if error is not None:
+                raise MessageValidationError(
+                    f"message type {message_type!r}: body does not match its XML schema at "
+                    f"{error.path or '(root)'}: {error.reason or error.message}"
+                )
         return
     try:
         document = json.loads(body)
@@ -105,9 +196,9 @@ def validate_body(
             f"message type {message_type!r} needs a JSON body: {exc}"
         ) from exc
     if validation == "json_schema":
-        assert json_schema is not None
-        validator_cls = jsonschema.validators.validator_for(json_schema)
-        error = jsonschema.exceptions.best_match(validator_cls(json_schema).iter_errors(document))
+        assert schema is not None
+        validator_cls = jsonschema.validators.validator_for(schema)
+        error = jsonschema.exceptions.best_match(validator_cls(schema).iter_errors(document))
         if error is not None:
             where = "/".join(str(p) for p in error.absolute_path) or "(root)"
             raise MessageValidationError(

@@ -40,7 +40,7 @@ def catalog(broker: BrokerContext) -> Catalog:
     """Every object declared in this broker."""
     with broker.read_connection() as conn:
         mts = {
-            r.name: MessageTypeDef(r.name, r.validation, r.json_schema)
+            r.name: MessageTypeDef(r.name, r.validation, r.json_schema, r.xml_schema)
             for r in conn.execute(select(s.message_type))
         }
         contracts: dict[str, dict[str, str]] = {

@@ -42,7 +42,10 @@ def apply_plan(p: Plan, d: Definitions) -> None:
             _alter(d, change.section, decl.name, change.arguments)
         elif isinstance(decl, MessageTypeDecl):
             d.create_message_type(
-                decl.name, validation=decl.validation, json_schema=decl.json_schema
+                decl.name,
+                validation=decl.validation,
+                json_schema=decl.json_schema,
+                xml_schema=decl.xml_schema,
             )
         elif isinstance(decl, ContractDecl):
             d.create_contract(decl.name, dict(decl.message_types))

@@ -133,6 +133,7 @@ class MessageTypeDecl:
     line: int
     validation: str = "none"
     json_schema: dict[str, Any] | None = None
+    xml_schema: str | None = None
 
     @property
     def refs(self) -> tuple[Ref, ...]:

@@ -178,7 +178,7 @@ _REQUIRED: Final[Mapping[str, tuple[str, ...]]] = {
 
 
 _KEYS: Final[Mapping[str, tuple[str, ...]]] = {
-    "message_types": ("name", "validation", "json_schema"),
+    "message_types": ("name", "validation", "json_schema", "xml_schema"),
     "contracts": ("name", "message_types"),
     "queues": (
         "name",
@@ -222,7 +222,24 @@ def _message_type(
             schema = _json_schema(r, node, what)
     elif validation == "json_schema":
         r.problem(e["validation"], f"{what}: validation json_schema needs a json_schema")
-    return MessageTypeDecl(name, line, validation, schema)
+    xsd: str | None = None
+    if "xml_schema" in e:
+        node = e["xml_schema"]
+        if validation != "xml_schema":
+            r.problem(node, f"{what}: xml_schema is only used with validation: xml_schema")
+        else:
+            # the text of the schema (a YAML block scalar, `|`), of any length
+            xsd = r.string(node, f"{what}: xml_schema", max_length=10**9) or None
+            # CREATE MESSAGE TYPE's check, reported with the file's line
+            from airflow_broker.messaging.validation import xml_schema_complaint
+
+            complaint = None if xsd is None else xml_schema_complaint(xsd)
+            if complaint is not None:
+                r.problem(node, f"{what}: xml_schema is not a valid XML Schema: {complaint}")
+                xsd = None
+    elif validation == "xml_schema":
+        r.problem(e["validation"], f"{what}: validation xml_schema needs an xml_schema")
+    return MessageTypeDecl(name, line, validation, schema, xsd)
 
 
 def _json_schema(r: _Reader, node: yaml.Node, what: str) -> dict[str, Any] | None:

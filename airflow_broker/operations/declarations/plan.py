@@ -45,6 +45,8 @@ def _show(value: Any) -> str:
         return json.dumps(value, sort_keys=True)
     if isinstance(value, (tuple, list, set, frozenset)):
         return "[" + ", ".join(sorted(str(v) for v in value)) + "]"
+    if isinstance(value, str) and "\n" in value:  # an XML schema: one line of the plan
+        return " ".join(value.split())
     return str(value)
 
 
@@ -167,10 +169,16 @@ def _compare(decl: Decl, current: Any, now: datetime) -> Compared:
             [
                 ("validation", current.validation, decl.validation),
                 ("json_schema", current.json_schema or None, decl.json_schema),
+                ("xml_schema", current.xml_schema or None, decl.xml_schema),
             ]
         )
         return _altered(
-            differences, {"validation": decl.validation, "json_schema": decl.json_schema}
+            differences,
+            {
+                "validation": decl.validation,
+                "json_schema": decl.json_schema,
+                "xml_schema": decl.xml_schema,
+            },
         )
     if isinstance(decl, ContractDecl):
         differences = _diff([("message_types", dict(current.message_types), decl.message_types)])

@@ -1,7 +1,7 @@
 """The broker's tables, in SQLAlchemy Core: one :class:`~sqlalchemy.MetaData` (``metadata``),
-its core tables (:mod:`.core`), failure handling's (:mod:`.failure`) and security's
-(:mod:`.security`), the monitoring lists' indexes (:mod:`.listing`) and the due work's
-(:mod:`.due`).
+its core tables (:mod:`.core`), failure handling's (:mod:`.failure`), security's
+(:mod:`.security`) and the Spark routing job's scratch tables (:mod:`.spark`), the monitoring
+lists' indexes (:mod:`.listing`) and the due work's (:mod:`.due`).
 ``from airflow_broker.storage import schema as s; s.message`` reaches any.
 """
 
@@ -29,6 +29,7 @@ from airflow_broker.storage.schema.security import (
     permission,
     remote_service_binding,
 )
+from airflow_broker.storage.schema.spark import spark_staged_conversation, spark_staging
 from airflow_broker.storage.schema.waits import transmission_wait
 
 
@@ -59,5 +60,7 @@ __all__ = [
     "metadata",
     "permission",
     "remote_service_binding",
+    "spark_staged_conversation",
+    "spark_staging",
     "transmission_wait",
 ]
