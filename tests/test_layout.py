@@ -141,6 +141,33 @@ def test_modules_stay_small_or_say_why() -> None:
     assert too_long == []
 
 
+def _unlisted_modules(package: Path, layout: str) -> list[str]:
+    """Modules and subpackages of ``package`` that the layout block does not name."""
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        if "versions" in path.parts or "__pycache__" in path.parts:
+            continue  # migrations are listed as a folder
+        if path.name == "__init__.py":
+            if path.parent != package and not re.search(rf"\b{path.parent.name}/", layout):
+                missing.append(f"{path.parent.relative_to(package.parent)}/")
+        elif not re.search(rf"\b{re.escape(path.stem)}\b", layout):
+            missing.append(str(path.relative_to(package.parent)))
+    return missing
+
+
+def test_the_architecture_page_lists_every_module(tmp_path: Path) -> None:
+    """docs/architecture.md's layout names every module and subpackage of the engine; a new
+    one that it does not name is reported."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    layout = page.split("## Layout", 1)[1].split("```", 2)[1]
+    assert _unlisted_modules(PACKAGE, layout) == []
+    probe = tmp_path / "airflow_broker"
+    (probe / "transport").mkdir(parents=True)
+    (probe / "transport" / "__init__.py").write_text("")
+    (probe / "transport" / "unheard_of.py").write_text("")
+    assert _unlisted_modules(probe, layout) == ["airflow_broker/transport/unheard_of.py"]
+
+
 def test_every_layer_says_its_job() -> None:
     for layer in ("storage", "routing", "messaging", "transport", "operations", "activation"):
         assert len(_module_docstring(PACKAGE / layer / "__init__.py")) > 100, layer

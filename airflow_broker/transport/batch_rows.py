@@ -3,7 +3,7 @@ getters of them by position.
 
 Only what delivery uses: a batch's rows are loaded by the thousand, and each column costs its
 loading (three timestamps, the broker instance columns and the status, which delivery never
-reads, were about two fifths of it; measured in issue 16's fourteenth session). A row's
+reads, are about two fifths of it). A row's
 conversation columns repeat on each of its rows; the getters read them by position, a tenth of
 a look-up by name.
 """

@@ -1,17 +1,17 @@
-"""PostgreSQL: a conversation endpoint's group is no longer checked by a foreign key
+"""PostgreSQL: drop the foreign key from a conversation endpoint to its group
 
 Revision ID: 0021
 Revises: 0020
 Create Date: 2026-11-27 20:40:00
 
 The key from ``broker_conversation_endpoint.conversation_group_id`` to its conversation group
-ran, for every endpoint row written, a query that found and locked the group row (``FOR KEY
-SHARE``). A delivery batch of 50 new dialogs wrote its endpoints in 2 ms, 70% of it those checks,
+runs, for every endpoint row written, a query that finds and locks the group row (``FOR KEY
+SHARE``). A delivery batch of 50 new dialogs writes its endpoints in 2 ms, 70% of it those checks,
 on the far broker's side, the pass's longest stage: without the key a delivery pass of 10,000
-messages in 1,000 new dialogs took 0.329-0.362 s against 0.373-0.409 s with it (medians of 8 to
-14 alternating rounds, three runs, issue 16's fourteenth session).
+messages in 1,000 new dialogs takes 0.329-0.362 s against 0.373-0.409 s with it (medians of 8 to
+14 alternating rounds, three runs).
 
-The engine keeps the invariant itself, as it always has for the queue's messages (which have no
+The engine keeps the invariant itself, as it does for the queue's messages (which have no
 key to their endpoints): a new endpoint's group is created in the same transaction, or (BEGIN
 DIALOG related to a conversation or a group, MOVE CONVERSATION) locked as the key's check locked
 it; a group is removed only once it is empty, under its own lock and read again under it; and
