@@ -347,8 +347,9 @@ def send_committed(
     on a pooled connection of its own (no Transaction, no SQLAlchemy Connection: they cost as
     much client time as the rest). True: sent and committed. False: nothing was sent; the
     caller SENDs the usual way, which says precisely what stands in the way (a dialog's first
-    message, a far queue disabled or in another database, retention, a type or body the fast
-    path does not take, more conversations than the advisory locks cover). Bad handles and
+    message, a far queue disabled, a far broker that has not answered yet or a secure dialog,
+    retention, a type or body the fast path does not take, more conversations than the
+    advisory locks cover). Bad handles and
     bodies raise here as they would there; other errors are raised, nothing committed."""
     if (
         broker.dialect != "postgresql"
