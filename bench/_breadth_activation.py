@@ -37,6 +37,7 @@ from typing import Any
 
 import psycopg
 
+from bench._breadth_schema import define
 from bench._scratch import Database, ScratchServer
 
 APP = "bench_breadth_triggerer"
@@ -201,16 +202,10 @@ async def _phase(
         io.shutdown(wait=True)
 
 
-def _define(db: Database, queues: int) -> None:
-    from bench.breadth import _define as define_breadth
-
-    define_breadth(db, queues)
-
-
 def measure(server: ScratchServer, queues: int = 1000, samples: int = 40) -> list[str]:
     """The activation lines of ``bench.breadth`` (see the module docstring)."""
-    many_tpl = server.template("breadth_act_many", lambda db: _define(db, queues))
-    one_tpl = server.template("breadth_act_one", lambda db: _define(db, 1))
+    many_tpl = server.template("breadth_act_many", lambda db: define(db, queues))
+    one_tpl = server.template("breadth_act_one", lambda db: define(db, 1))
     many = server.create(many_tpl, "breadth", "act_many")
     one = server.create(one_tpl, "breadth", "act_one")
     p50: dict[str, list[float]] = {"one": [], "many": []}

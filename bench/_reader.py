@@ -24,7 +24,8 @@ from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
-from bench._systems import AsyncConsumer, Consumer, get_system
+from bench._registry import get_system
+from bench._systems import AsyncConsumer, Consumer
 
 #: Pause after an empty receive while other readers finish the round.
 IDLE_SLEEP = 0.0005

@@ -55,40 +55,23 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from bench import _breadth_activation
+from bench._breadth_schema import (
+    INITIATOR,
+    INITIATOR_QUEUE,
+    TARGET,
+    TARGET_QUEUE,
+    define,
+)
 from bench._scratch import Database, ScratchServer, quiesce
 
 if TYPE_CHECKING:
     from airflow_broker import Broker
 
-INITIATOR, TARGET = "//breadth/Initiator", "//breadth/Target"
-INITIATOR_QUEUE, TARGET_QUEUE = "breadth_initiator_q", "breadth_target_q"
 BODY = b"breadth" * 20
 
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-def _define(db: Database, queues: int) -> None:
-    from airflow_broker import DEFAULT, Broker
-
-    broker = Broker.connect(db.sqlalchemy_url)
-    try:
-        broker.migrate()
-        with broker.definitions() as d:
-            d.create_queue(INITIATOR_QUEUE)
-            d.create_service(INITIATOR, queue=INITIATOR_QUEUE, contracts=[DEFAULT])
-            d.create_queue(TARGET_QUEUE)
-            d.create_service(TARGET, queue=TARGET_QUEUE, contracts=[DEFAULT])
-        for first in range(0, queues, 200):
-            with broker.definitions() as d:
-                for i in range(first, min(first + 200, queues)):
-                    d.create_queue(f"breadth_tenant_{i}_q")
-                    d.create_service(
-                        f"//breadth/Tenant{i}", queue=f"breadth_tenant_{i}_q", contracts=[DEFAULT]
-                    )
-    finally:
-        broker.dispose()
 
 
 def _open_dialogs(db: Database, count: int) -> None:
@@ -234,8 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines: list[str] = []
     try:
         started = time.perf_counter()
-        none_tpl = server.template("breadth_none", lambda db: _define(db, 0))
-        open_tpl = server.template("breadth_open", lambda db: _define(db, args.queues))
+        none_tpl = server.template("breadth_none", lambda db: define(db, 0))
+        open_tpl = server.template("breadth_open", lambda db: define(db, args.queues))
         dbs = {
             "none": server.create(none_tpl, "breadth", "none"),
             "open": server.create(open_tpl, "breadth", "open"),

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from sqlalchemy import make_url
 
 from bench._broker_system import PGBOUNCER_PORT_ENV
+from bench._registry import get_system
 from bench._scratch import ScratchServer
-from bench._systems import get_system
 from bench._throughput_report import Row, format_table
 from bench.throughput import ReaderPool, measure, workloads
 

@@ -26,8 +26,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from bench._registry import get_system
 from bench._scratch import ScratchServer
-from bench._systems import Consumer, Workload, get_system
+from bench._systems import Consumer, Workload
 
 
 @dataclass

@@ -84,15 +84,14 @@ from typing import Any
 import psycopg
 
 from bench._reader import Command, DrainResult, Reply, reader_main
+from bench._registry import DEFAULT_SYSTEMS, get_system
 from bench._scratch import Database, ScratchServer, vacuum
 from bench._systems import (
-    DEFAULT_SYSTEMS,
     Backlogged,
     Producer,
     SetupState,
     System,
     Workload,
-    get_system,
 )
 from bench._throughput_report import (
     OURS,
