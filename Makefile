@@ -81,7 +81,7 @@ test-pgbouncer: install-dev postgres pgbouncer
 OLDEST := .venv-oldest
 OLDEST_TESTS := tests/test_e2e_activation.py tests/test_e2e_transmitter.py \
 	tests/test_e2e_hung_peer.py tests/test_e2e_breadth.py tests/test_plugin_e2e.py \
-	tests/test_dbmanager.py tests/test_airflow_versions.py
+	tests/test_dbmanager.py tests/test_airflow_versions.py tests/test_e2e_saga.py
 
 oldest: install-dev
 	$(BIN)/python tests/support/ensure_oldest_airflow.py

@@ -151,6 +151,8 @@ def test_dagbag_has_no_import_errors(tmp_path: Path, metadata_db: Path) -> None:
         "long_handler_setup",
         "long_handler_submit",
         "long_handler",
+        "po_saga",
+        "po_saga_cancel",
     }
     # Each reader DAG is activated by its queue's trigger in an AssetWatcher, and runs at most
     # as many times at once as the queue's activation allows.
@@ -191,6 +193,28 @@ def test_dagbag_has_no_import_errors(tmp_path: Path, metadata_db: Path) -> None:
     assert all(w["round_trip"] for w in dags["broker_alerts"]["watchers"])
     assert set(dags["submit_purchase_order"]["params"]) >= {"item", "qty", "price"}
     assert dags["submit_purchase_order"]["schedule"] is None
+    # The saga DAG (dags/purchase_order_saga.py): manual, one run per order, each step a task.
+    s = dags["po_saga"]
+    assert s["schedule"] is None and s["watchers"] == []
+    assert set(s["params"]) >= {"item", "qty", "price", "ship_within_days", "deadline_seconds"}
+    assert set(s["tasks"]) >= {
+        "submit",
+        "negotiate.wait_quote_1",
+        "negotiate.decide_1",
+        "wait_shipment",
+        "confirm_receipt",
+        "wait_invoice",
+        "pay",
+        "wait_end",
+        "close",
+        "settle",
+        "compensate.release_reservation",
+        "compensate.void_payment",
+        "compensate.notify",
+        "compensate.end_conversation",
+        "outcome",
+    }
+    assert dags["po_saga_cancel"]["params"] == ["po_number", "reason"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,7 +310,11 @@ def test_the_saga_leaves_the_books_balanced(saga: dict[str, Any]) -> None:
         "sprocket": [40, 0],
         "gizmo": [0, 0],
     }
-    assert saga["queues"] == {"po_buyer_queue": 0, "po_supplier_queue": 0}
+    assert saga["queues"] == {
+        "po_buyer_queue": 0,
+        "po_supplier_queue": 0,
+        "po_saga_buyer_queue": 0,  # the saga DAG's buyer (po_saga), unused here
+    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -69,6 +69,11 @@ try:
 except ImportError:  # Airflow 3.1
     from airflow.exceptions import AirflowFailException  # type: ignore[no-redef,unused-ignore]
 
+try:
+    from airflow.sdk.exceptions import AirflowSkipException
+except ImportError:  # Airflow 3.1
+    from airflow.exceptions import AirflowSkipException  # type: ignore[no-redef,unused-ignore]
+
 # -- the API server: the plugin's FastAPI app -------------------------------------------------
 # Imported on first use (PEP 562), never by task code: ``airflow.api_fastapi`` pulls in Airflow's
 # ORM models. ``from airflow_broker.provider.compat import get_user`` triggers the import.
@@ -146,6 +151,7 @@ __all__ = [
     "AirflowFailException",
     "AirflowNotFoundException",
     "AirflowPlugin",
+    "AirflowSkipException",
     "Asset",
     "AssetWatcher",
     "BaseAuthManager",

@@ -5,10 +5,12 @@ purchaser and supplier, as prices are negotiated, delivery dates agreed upon, st
 communicated, delivery confirmed, and payment exchanged. This whole exchange can be a single
 Service Broker dialog" (Architecting Service Broker Applications). This package is that
 application, as plain engine code (modules :mod:`.contract`, :mod:`.state`, :mod:`.handlers`,
-:mod:`.compensations`, :mod:`.orders`):
+:mod:`.compensations`, :mod:`.orders`; :mod:`.saga` is the buyer's side as a saga of Airflow
+tasks, ``dags/purchase_order_saga.py``):
 
 - **Declarations** (:data:`DECLARATIONS`, the ``airflow-broker apply`` format): the message
-  types, one contract, a queue and a service for each side.
+  types, one contract, a queue and a service for each side, and the saga buyer's (its queue
+  not activated: each saga run reads its own conversation).
 - **Application state** in tables of the broker database (:data:`metadata`: ``po_buyer``,
   ``po_supplier``, ``po_stock``, ``po_ledger``, ``po_compensation``, ``po_event``), keyed by
   **conversation group id**, the key any received message carries, and written through
@@ -81,6 +83,8 @@ from airflow_broker.examples.purchase_order.contract import (
     QUOTE,
     RECEIPT,
     REFUSE,
+    SAGA_BUYER_QUEUE,
+    SAGA_BUYER_SERVICE,
     SENT_BY,
     SHIP_NOTICE,
     SUPPLIER,
@@ -149,6 +153,8 @@ __all__ = [
     "QUOTE",
     "RECEIPT",
     "REFUSE",
+    "SAGA_BUYER_QUEUE",
+    "SAGA_BUYER_SERVICE",
     "SENT_BY",
     "SHIP_NOTICE",
     "SUPPLIER",

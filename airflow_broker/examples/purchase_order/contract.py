@@ -26,6 +26,15 @@ BUYER_QUEUE = "po_buyer_queue"
 SUPPLIER_QUEUE = "po_supplier_queue"
 
 
+#: The buyer of the saga DAG (dags/purchase_order_saga.py): its own service and queue, with no
+#: activation, so that no reader drains the replies its runs wait for (each run RECEIVEs from
+#: its own conversation).
+SAGA_BUYER_SERVICE = f"{PREFIX}/SagaBuyer"
+
+
+SAGA_BUYER_QUEUE = "po_saga_buyer_queue"
+
+
 #: The most readers at once on each queue (the queue's activation ``max_readers``, and the
 #: reader DAG's ``max_active_runs``).
 BUYER_MAX_READERS = 2
@@ -125,11 +134,13 @@ def _declarations() -> str:
                     "reader": SUPPLIER_READER_DAG,
                 },
             },
+            {"name": SAGA_BUYER_QUEUE},
         ],
         "services": [
             # The initiator's service needs no contract: replies come back on the dialog.
             {"name": BUYER_SERVICE, "queue": BUYER_QUEUE},
             {"name": SUPPLIER_SERVICE, "queue": SUPPLIER_QUEUE, "contracts": [CONTRACT]},
+            {"name": SAGA_BUYER_SERVICE, "queue": SAGA_BUYER_QUEUE},
         ],
     }
     return "# The purchase-order example (airflow_broker.examples.purchase_order).\n" + (

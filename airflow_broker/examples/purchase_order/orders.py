@@ -75,12 +75,15 @@ def submit_purchase_order(
     po_number: str | None = None,
     ship_within_days: int = 14,
     deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
+    from_service: str = BUYER_SERVICE,
 ) -> Submitted:
     """Buyer (the initiator): begin the order's dialog, record the order and send it, and arm
     the buyer's deadline (a conversation timer): all in ``tx``.
 
     :param price: the most the buyer pays per unit, in dollars; it opens 10% lower.
     :param deadline_seconds: when the order is not over by then, the buyer cancels it.
+    :param from_service: the buyer's service: the reader-driven buyer's by default, the saga
+        DAG's (``SAGA_BUYER_SERVICE``) for an order run by ``po_saga``.
     """
     if not isinstance(qty, int) or isinstance(qty, bool) or qty < 1:
         raise InvalidDefinition(f"qty must be a whole number >= 1, not {qty!r}")
@@ -91,7 +94,7 @@ def submit_purchase_order(
     limit = to_cents(price)
     offer = max(1, limit * 9 // 10)
     number = po_number or f"PO-{uuid.uuid4().hex[:8].upper()}"
-    handle = tx.begin_dialog(BUYER_SERVICE, SUPPLIER_SERVICE, CONTRACT)
+    handle = tx.begin_dialog(from_service, SUPPLIER_SERVICE, CONTRACT)
     group = tx.conversation(handle).conversation_group_id
     order = _BuyerOrder(tx, handle, group)
     order._insert(
