@@ -66,8 +66,11 @@ HANG = 36.0
 SEND_EVERY = 3.0
 #: the stream of SENDs goes on this long after B froze
 STREAM_AFTER = 3.0
-#: before the hang, a round of SENDs this often keeps a transmitter run busy
-STREAM_EVERY = 0.02
+#: before the hang, a round of SENDs this often keeps a transmitter run busy: a run ends at its
+#: first pass that moves nothing, and a loop of due work and a pass of a few messages takes
+#: about 6 ms, so rounds must come faster than that (at 0.02 s most runs ended after a pass
+#: or two, and five freezes in a row could miss a run still delivering)
+STREAM_EVERY = 0.002
 #: a message to C is in C's queue this long after its SEND at the latest, while B hangs: a new
 #: transmitter run's start (trigger, scheduler, task process) and a pass, with room for a loaded
 #: 2-core machine (at most 5.5 s measured); less than the answer timeout, which a run that
@@ -147,7 +150,7 @@ def wait_for_a_run_delivering_to_b(af: AirflowStack, b: Broker, timeout: float =
 
 
 def freeze_while_a_run_delivers_to_b(
-    af: AirflowStack, b: Broker, cluster: FrozenCluster, attempts: int = 5
+    af: AirflowStack, b: Broker, cluster: FrozenCluster, attempts: int = 8
 ) -> tuple[str, float, datetime]:
     """Freeze B while a transmitter run is delivering to it; the run, and when B froze
     (monotonic and wall clock).
